@@ -1,0 +1,28 @@
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+report: "workflow/report/workflow.rst"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/models.smk"
+include: "workflow/rules/rollouts.smk"
+include: "workflow/rules/pivots.smk"
+include: "workflow/rules/replay.smk"
+include: "workflow/rules/credit.smk"
+include: "workflow/rules/analysis.smk"
+include: "workflow/rules/figures.smk"
+include: "workflow/rules/manifest.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        "results/MANIFEST.sha256",
+        "results/provenance.json",

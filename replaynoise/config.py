@@ -1,0 +1,129 @@
+"""Loading, validating and fingerprinting the workflow configuration.
+
+Validation happens at parse time, before any job runs, so a bad value fails by name instead of hours later.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from replaynoise.provenance import stable_hash
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
+DEFAULT_CONFIG_PATH = REPO_ROOT / "config" / "config.yaml"
+#: Sections that define the measurement; a change in any of them changes the pre-registration hash.
+PROTOCOL_SECTIONS = ("seed", "dataset", "prompt", "configs", "pivots", "replay", "analysis")
+REQUIRED_PASSES = ("exact", "replica", "refeed")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def _fill_defaults(schema: dict, value: Any) -> Any:
+    """Apply schema defaults recursively, including inside the named ``configs`` entries."""
+    if not isinstance(value, dict) or schema.get("type") != "object":
+        return value
+    for key, sub in schema.get("properties", {}).items():
+        if key not in value and "default" in sub:
+            value[key] = copy.deepcopy(sub["default"])
+        if key in value:
+            value[key] = _fill_defaults(sub, value[key])
+    extra = schema.get("additionalProperties")
+    if isinstance(extra, dict):
+        for key in value:
+            if key not in schema.get("properties", {}):
+                value[key] = _fill_defaults(extra, value[key])
+    return value
+
+
+def _key_path(error: jsonschema.ValidationError) -> str:
+    return ".".join(str(p) for p in error.absolute_path) or "(top level)"
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    if error.validator == "enum":
+        return f"{error.instance!r} is not allowed; allowed values: {', '.join(map(str, schema['enum']))}"
+    if error.validator == "additionalProperties":
+        allowed = ", ".join(sorted(schema.get("properties", {})))
+        return f"{error.message}; allowed keys: {allowed}"
+    if error.validator == "contains":
+        return f"must include {error.schema['contains'].get('const')!r} (got {error.instance})"
+    return error.message
+
+
+def validate_config(config: dict) -> dict:
+    """Return a validated copy of ``config`` with defaults filled; raise ConfigError naming the bad key."""
+    schema = load_schema()
+    config = _fill_defaults(schema, copy.deepcopy(config))
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = [f"config key {_key_path(e)}: {_describe(e)}" for e in _leaf_errors(errors)]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines))
+    _check_semantics(config)
+    return config
+
+
+def _leaf_errors(errors: list[jsonschema.ValidationError]) -> list[jsonschema.ValidationError]:
+    leaves = []
+    for error in errors:
+        if error.validator == "allOf" and error.context:
+            leaves.extend(_leaf_errors(list(error.context)))
+        else:
+            leaves.append(error)
+    return leaves
+
+
+def _check_semantics(config: dict) -> None:
+    """Checks JSON Schema cannot express: files that must exist, models that must resolve."""
+    from replaynoise.models import resolve_model_spec
+
+    dataset = config["dataset"]
+    if dataset["source"] == "file":
+        if not dataset["path"]:
+            raise ConfigError("config key dataset.path: required when dataset.source is 'file'")
+        if not Path(dataset["path"]).is_file():
+            raise ConfigError(f"config key dataset.path: file not found: {dataset['path']}")
+    for name, settings in config["configs"].items():
+        try:
+            resolve_model_spec(settings["model"])
+        except ValueError as exc:
+            raise ConfigError(f"config key configs.{name}.model: {exc}") from None
+
+
+def protocol_settings(config: dict) -> dict:
+    return {key: config[key] for key in PROTOCOL_SECTIONS if key in config}
+
+
+def analysis_hash(config: dict) -> str:
+    """The pre-registration fingerprint: written into every table, so a later change of settings shows."""
+    return stable_hash(protocol_settings(config))
+
+
+def deviations(config: dict, defaults: dict | None = None) -> list[dict]:
+    """Every protocol value that differs from the committed default config, as key paths."""
+    if defaults is None:
+        defaults = validate_config(yaml.safe_load(DEFAULT_CONFIG_PATH.read_text()))
+    found: list[dict] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                walk(a.get(key), b.get(key), f"{path}.{key}" if path else key)
+        elif a != b:
+            found.append({"key": path, "value": a, "default": b})
+
+    walk(protocol_settings(config), protocol_settings(defaults), "")
+    return found

@@ -1,0 +1,108 @@
+"""The one interface every engine implements, and the records that cross it.
+
+The rest of the pipeline only ever sees these dataclasses, so HF transformers and vLLM are interchangeable:
+an engine generates rollouts (keeping the decode-time state it needs to resume them) and runs batches of
+continuation requests from a named prefix source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+#: Where a continuation's prefix state comes from (method.md section 2).
+PREFIX_SOURCES = ("decode_kv", "refeed_ids", "refeed_text")
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    problem_id: str
+    prompt_ids: tuple[int, ...]
+    seed: int
+
+
+@dataclass
+class Rollout:
+    """One sampled response with, per response position, what the model saw when it chose that token."""
+
+    problem_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    #: top-k of the untempered next-token distribution at each response position
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+    #: blake2b digest of the full float32 logits vector at each response position (bitwise verification)
+    logits_digests: list[str]
+    finish_reason: str
+    kv_file: str | None = None
+    kv_len: int = 0
+    kv_sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class ContinuationRequest:
+    """Continuation k of one branch at one pivot. Identical in every pass but for the prefix source."""
+
+    pivot_id: str
+    branch: str
+    k: int
+    seed: int
+    #: token ids of the prefix (prompt + response[:t]) that the branch token follows
+    prefix_ids: tuple[int, ...]
+    branch_token: int
+    #: for decode_kv: the rollout's stored KV, and the digest its last step must reproduce
+    kv_file: str | None = None
+    kv_sha256: str | None = None
+    expected_digest: str | None = None
+    #: for refeed_text: the prefix re-tokenized from its text
+    text_prefix_ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class ContinuationResult:
+    token_ids: list[int]
+    finish_reason: str
+    verified: bool
+    prefix_len: int
+    next_topk_ids: list[int]
+    next_topk_logprobs: list[float]
+    next_digest: str
+    kv_maxdiff: list[float] | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    name: str
+    #: the model's tokenizer (prompts, decoding and re-tokenization are engine-independent)
+    tokenizer: object
+
+    def generate_rollouts(
+        self, requests: list[RolloutRequest], sampling: SamplingSettings, kv_dir: Path,
+        keep_len: "KeepLen",
+    ) -> list[Rollout]:
+        """Sample one rollout per request, token by token after the prompt, keeping decode-time state."""
+        ...
+
+    def run_batch(
+        self, requests: list[ContinuationRequest], source: str, sampling: SamplingSettings,
+    ) -> list[ContinuationResult]:
+        """Run one batch of continuations together, as a serving engine would co-schedule them."""
+        ...
+
+
+class KeepLen(Protocol):
+    def __call__(self, rollout: Rollout) -> int:
+        """How many KV positions of ``rollout`` a later exact replay can need (0: store none)."""
+        ...
+
+
+class VerificationError(RuntimeError):
+    """A stored prefix state is unreadable or corrupt; the message names the file."""

@@ -1,0 +1,287 @@
+"""The five result figures, as PNG and PDF with byte-reproducible output.
+
+Figures are built on ``matplotlib.figure.Figure`` with an Agg canvas, never through pyplot, so no global
+figure state leaks between calls. Timestamps and tool versions are kept out of the file metadata, so the
+same data gives the same bytes and the results manifest stays stable across reruns. A figure without data
+says so in the image instead of failing the pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import polars as pl
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from replaynoise.analysis import eligible_frame
+from replaynoise.provenance import atomic_path
+
+PNG_METADATA = {"Software": None}
+PDF_METADATA = {"CreationDate": None, "Producer": None, "Creator": None}
+NO_DATA = "no eligible pivots"
+COLORS = {"floor": "#7f7f7f", "refeed": "#d62728", "refeed_text": "#ff7f0e", "replica_fresh": "#1f77b4",
+          "zero_crossing": "#d62728", "reversal": "#9467bd", "magnitude": "#bcbd22", "ceiling": "#7f7f7f"}
+
+PathLike = str | os.PathLike
+
+
+# ------------------------------------------------------------------------------------------------ saving
+
+def _new_figure(width: float = 7.0, height: float = 4.0) -> Figure:
+    fig = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save_figure(fig: Figure, out_png: PathLike, out_pdf: PathLike, dpi: int = 150) -> None:
+    """Save PNG and PDF atomically, without timestamps or version strings, so reruns give identical bytes."""
+    with atomic_path(out_png) as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi, metadata=PNG_METADATA)
+    with atomic_path(out_pdf) as tmp:
+        fig.savefig(tmp, format="pdf", metadata=PDF_METADATA)
+
+
+def _message_figure(message: str, title: str) -> Figure:
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    ax.set_axis_off()
+    ax.set_title(title)
+    ax.text(0.5, 0.5, message, ha="center", va="center", fontsize=14, transform=ax.transAxes)
+    return fig
+
+
+def _usable(results: Mapping[str, dict] | None, conditioning: str) -> dict[str, dict]:
+    """The configurations whose block for ``conditioning`` holds numbers (available, enough pivots)."""
+    out = {}
+    for cfg, res in (results or {}).items():
+        block = (res or {}).get("conditionings", {}).get(conditioning) or {}
+        if block.get("available") and block.get("n") and (block.get("disagreement") or {}).get(
+                "exact_vs_replica", {}).get("estimate") is not None:
+            out[cfg] = block
+    return out
+
+
+def _err(stat: dict, scale: float = 1.0) -> tuple[float, float, float]:
+    """(value, lower error, upper error) for errorbar; a missing CI draws no bar rather than a fake one."""
+    est = stat.get("estimate")
+    if est is None:
+        return np.nan, 0.0, 0.0
+    lo, hi = stat.get("ci_lo"), stat.get("ci_hi")
+    lo = est if lo is None else lo
+    hi = est if hi is None else hi
+    return est * scale, (est - lo) * scale, (hi - est) * scale
+
+
+# ----------------------------------------------------------------------------------- 1 disagreement bars
+
+def plot_disagreement(results: Mapping[str, dict] | None, out_png: PathLike, out_pdf: PathLike,
+                      conditioning: str = "main") -> None:
+    """Per configuration: replica floor D(exact, replica) beside D(exact, refeed) (and other passes), with CIs."""
+    title = f"Credit-estimate disagreement with the exact pass ({conditioning})"
+    blocks = _usable(results, conditioning)
+    if not blocks:
+        save_figure(_message_figure(NO_DATA, title), out_png, out_pdf)
+        return
+    series: list[tuple[str, str, Any]] = [("replica floor", "floor", lambda b: b["disagreement"]["exact_vs_replica"]),
+                                          ("re-feed", "refeed", lambda b: b["disagreement"]["exact_vs_refeed"])]
+    extras = sorted({p for b in blocks.values() for p in (b.get("other_passes") or {})})
+    for p in extras:
+        series.append((p, p, lambda b, p=p: (b.get("other_passes") or {}).get(p, {}).get("vs_exact", {})))
+    fig = _new_figure(max(6.0, 1.3 * len(blocks) + 3), 4.0)
+    ax = fig.add_subplot()
+    x = np.arange(len(blocks))
+    width = 0.8 / len(series)
+    for i, (label, key, get) in enumerate(series):
+        vals = np.array([_err(get(b), 100.0) for b in blocks.values()])
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, vals[:, 0], width, yerr=vals[:, 1:].T, capsize=3,
+               label=label, color=COLORS.get(key, f"C{i + 2}"))
+    ax.set_xticks(x, [f"{c}\n(n={b['n']})" for c, b in blocks.items()], fontsize=8)
+    ax.set_ylabel("% eligible pivots with a different estimate")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, out_png, out_pdf)
+
+
+# ----------------------------------------------------------------------------------- 2 kinds of change
+
+def plot_kinds_of_change(results: Mapping[str, dict] | None, out_png: PathLike, out_pdf: PathLike,
+                         conditioning: str = "main") -> None:
+    """Stacked bars: changed estimates as a share of eligible pivots, split into crossing/reversal/magnitude.
+
+    The bar height is the disagreement rate, so re-feed and replica bars can be set side by side.
+    """
+    title = f"Kinds of change ({conditioning})"
+    blocks = _usable(results, conditioning)
+    if not blocks:
+        save_figure(_message_figure(NO_DATA, title), out_png, out_pdf)
+        return
+    fig = _new_figure(max(6.0, 1.4 * len(blocks) + 3), 4.0)
+    ax = fig.add_subplot()
+    x = np.arange(len(blocks))
+    width = 0.38
+    kinds = (("zero_crossing", "zero-boundary crossing"), ("reversal", "polarity reversal"),
+             ("magnitude", "magnitude only"))
+    for offset, pair, hatch in ((-width / 2, "exact_vs_refeed", ""), (width / 2, "exact_vs_replica", "//")):
+        bottom = np.zeros(len(blocks))
+        for key, label in kinds:
+            vals = np.array([_kind_share(b, pair, key) for b in blocks.values()])
+            ax.bar(x + offset, vals, width, bottom=bottom, color=COLORS[key], hatch=hatch, edgecolor="black",
+                   linewidth=0.5, label=label if pair == "exact_vs_refeed" else None)
+            bottom += vals
+    ax.set_xticks(x, [f"{c}\nleft: re-feed, right: replica" for c in blocks], fontsize=7)
+    ax.set_ylabel("% eligible pivots")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    save_figure(fig, out_png, out_pdf)
+
+
+def _kind_share(block: dict, pair: str, key: str) -> float:
+    kinds = block["kinds_of_change"][pair]
+    count = (kinds.get(key) or {}).get("count")
+    return 0.0 if not kinds.get("n") or count is None else 100.0 * count / kinds["n"]
+
+
+# ----------------------------------------------------------------------------------- 3 Jaccard sweep
+
+def plot_jaccard_sweep(results: Mapping[str, dict] | None, out_png: PathLike, out_pdf: PathLike,
+                       conditioning: str = "main") -> None:
+    """Jaccard(S_exact, S_refeed) against the replica ceiling over θ, one panel per configuration."""
+    title = f"Critical-set overlap with the exact selection ({conditioning})"
+    blocks = {c: b for c, b in _usable(results, conditioning).items() if b["selection"]["sweep"]}
+    if not blocks:
+        save_figure(_message_figure(NO_DATA, title), out_png, out_pdf)
+        return
+    ncols = min(3, len(blocks))
+    nrows = -(-len(blocks) // ncols)
+    fig = _new_figure(3.2 * ncols + 0.5, 2.8 * nrows + 0.6)
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
+    for ax, (cfg, block) in zip(axes.ravel(), blocks.items()):
+        sweep = block["selection"]["sweep"]
+        theta = np.array([s["theta"] for s in sweep])
+        for key, label, color in (("jaccard_refeed", "re-feed", COLORS["refeed"]),
+                                  ("jaccard_replica_ceiling", "replica ceiling", COLORS["ceiling"])):
+            est = np.array([_nan(s[key]["estimate"]) for s in sweep])
+            lo = np.array([_nan(s[key]["ci_lo"]) for s in sweep])
+            hi = np.array([_nan(s[key]["ci_hi"]) for s in sweep])
+            ax.plot(theta, est, marker="o", color=color, label=label)
+            ax.fill_between(theta, lo, hi, color=color, alpha=0.2, linewidth=0)
+        ax.axvline(block["selection"]["at_theta"]["theta"], color="black", linestyle=":", linewidth=1)
+        ax.set_title(f"{cfg} (n={block['n']})", fontsize=9)
+        ax.set_xlabel("θ (|Â| ≥ θ)")
+        ax.set_ylim(0, 1.02)
+    for ax in axes.ravel()[len(blocks):]:
+        ax.set_axis_off()
+    axes[0, 0].set_ylabel("Jaccard with exact")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, out_png, out_pdf)
+
+
+def _nan(x: float | None) -> float:
+    return np.nan if x is None else float(x)
+
+
+# ----------------------------------------------------------------------------- 4 histogram of differences
+
+def _frames(credits: Mapping[str, Mapping[str, pl.DataFrame]] | None, conditioning: str) -> dict[str, pl.DataFrame]:
+    out = {}
+    for cfg, credit in (credits or {}).items():
+        if not credit:
+            continue
+        sel = eligible_frame(credit, conditioning)
+        if sel is not None and sel.height:
+            out[cfg] = sel
+    return out
+
+
+def plot_diff_histogram(credits: Mapping[str, Mapping[str, pl.DataFrame]] | None, out_png: PathLike,
+                        out_pdf: PathLike, conditioning: str = "main") -> None:
+    """Histogram of d = Â_refeed - Â_exact on its lattice (step 1/K), one panel per configuration.
+
+    A mean-zero perturbation shows as a histogram symmetric about 0; the bar at 0 is the agreement share.
+    """
+    title = f"Â(re-feed) - Â(exact) on eligible pivots ({conditioning})"
+    frames = _frames(credits, conditioning)
+    if not frames:
+        save_figure(_message_figure(NO_DATA, title), out_png, out_pdf)
+        return
+    ncols = min(3, len(frames))
+    nrows = -(-len(frames) // ncols)
+    fig = _new_figure(3.2 * ncols + 0.5, 2.6 * nrows + 0.6)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for ax, (cfg, sel) in zip(axes.ravel(), frames.items()):
+        k = int(sel["k"].max())
+        steps = np.rint((sel["a_hat__refeed"].to_numpy() - sel["a_hat__exact"].to_numpy()) * k).astype(int)
+        support = np.arange(-2 * k, 2 * k + 1)
+        counts = np.array([(steps == m).sum() for m in support])
+        ax.bar(support / k, counts / counts.sum(), width=0.8 / k, color=COLORS["refeed"])
+        ax.axvline(0, color="black", linewidth=0.8)
+        ax.set_title(f"{cfg} (n={sel.height}, K={k}, mean={steps.mean() / k:+.3f})", fontsize=8)
+        ax.set_xlabel("d = Â_refeed - Â_exact")
+        ax.set_xlim(-2.05, 2.05)
+    for ax in axes.ravel()[len(frames):]:
+        ax.set_axis_off()
+    axes[0, 0].set_ylabel("share of pivots")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, out_png, out_pdf)
+
+
+# ------------------------------------------------------------------------------ 5 disagreement vs margin
+
+def margin_bins(margins: np.ndarray, n_bins: int) -> np.ndarray:
+    """Equal-count bin edges (quantiles), collapsed where ties make edges coincide."""
+    edges = np.unique(np.quantile(margins, np.linspace(0, 1, n_bins + 1)))
+    return edges if edges.size >= 2 else np.array([margins.min(), margins.max() + 1e-12])
+
+
+def disagreement_by_margin(sel: pl.DataFrame, edges: Sequence[float]) -> pl.DataFrame:
+    """Per margin bin: pivot count and shares with exact != refeed and exact != replica."""
+    margins = sel["margin"].to_numpy()
+    e, ref, rep = (sel[f"a_hat__{p}"].to_numpy() for p in ("exact", "refeed", "replica"))
+    idx = np.clip(np.searchsorted(edges, margins, side="right") - 1, 0, len(edges) - 2)
+    rows = []
+    for b in range(len(edges) - 1):
+        m = idx == b
+        n = int(m.sum())
+        rows.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "n": n,
+                     "refeed": float((e[m] != ref[m]).mean()) if n else None,
+                     "replica": float((e[m] != rep[m]).mean()) if n else None})
+    return pl.DataFrame(rows, schema={"lo": pl.Float64, "hi": pl.Float64, "n": pl.Int64,
+                                      "refeed": pl.Float64, "replica": pl.Float64})
+
+
+def plot_disagreement_vs_margin(credits: Mapping[str, Mapping[str, pl.DataFrame]] | None, out_png: PathLike,
+                                out_pdf: PathLike, conditioning: str = "main", n_bins: int = 5) -> None:
+    """Disagreement share by pivot margin (equal-count bins, pivots pooled over configurations)."""
+    title = f"Disagreement by pivot margin, pooled over configurations ({conditioning})"
+    frames = _frames(credits, conditioning)
+    if not frames:
+        save_figure(_message_figure(NO_DATA, title), out_png, out_pdf)
+        return
+    cols = ["margin", "a_hat__exact", "a_hat__refeed", "a_hat__replica"]
+    pooled = pl.concat([f.select(cols) for f in frames.values()], how="vertical_relaxed")
+    table = disagreement_by_margin(pooled, margin_bins(pooled["margin"].to_numpy(), n_bins))
+    table = table.filter(pl.col("n") > 0)
+    mid = ((table["lo"] + table["hi"]) / 2).to_numpy()
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    ax.plot(mid, 100 * table["refeed"].to_numpy(), marker="o", color=COLORS["refeed"], label="exact ≠ re-feed")
+    ax.plot(mid, 100 * table["replica"].to_numpy(), marker="s", color=COLORS["floor"], label="exact ≠ replica")
+    labels = [f"{lo:.3f}-{hi:.3f}\nn={n}" for lo, hi, n in table.select("lo", "hi", "n").iter_rows()]
+    ax.set_xticks(mid, labels, fontsize=7)
+    ax.set_xlabel("pivot margin p(1) - p(2) (equal-count bins)")
+    ax.set_ylabel("% pivots with a different estimate")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, out_png, out_pdf)

@@ -1,0 +1,31 @@
+"""Progress for long steps: a tqdm bar on stderr (the rule's log) with tokens per second."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+
+class TokenProgress:
+    """Counts rows done and tokens produced; the engine calls it with the tokens of each finished unit."""
+
+    def __init__(self, total_rows: int, desc: str, initial: int = 0) -> None:
+        self.bar = tqdm(total=total_rows, initial=initial, desc=desc, unit="row", file=sys.stderr,
+                        mininterval=2.0, dynamic_ncols=False, ncols=100)
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def rows(self, n: int, tokens: int) -> None:
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+        self.bar.update(n)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.start, 1e-9)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,198 @@
+"""Atomic writes, checksums, the results manifest and the provenance record.
+
+Every output is written to a temporary file beside its target and renamed into place, so an interrupted
+step never leaves a file that a rerun would mistake for finished work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+#: Packages whose versions go into provenance.json.
+TRACKED_PACKAGES = (
+    "torch", "transformers", "snakemake", "polars", "statsmodels", "matplotlib",
+    "gguf", "accelerate", "safetensors", "math-verify", "numpy", "vllm",
+)
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``target``; rename it onto ``target`` only if the block succeeds."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        if tmp_path.exists():
+            os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are meant to be shared
+        os.replace(tmp_path, target)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def write_parquet(df: pl.DataFrame, target: str | os.PathLike) -> None:
+    """Write a parquet file atomically. Statistics are off so equal frames give equal bytes."""
+    with atomic_path(target) as tmp:
+        df.write_parquet(tmp, statistics=False, compression="zstd")
+
+
+def write_json(obj: Any, target: str | os.PathLike) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def write_text(text: str, target: str | os.PathLike) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_text(text)
+
+
+def remove_scratch(work_dir: str | os.PathLike) -> None:
+    """Drop a step's resumable scratch work once its outputs are written."""
+    shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_sha256(path: str | os.PathLike, expected: str) -> None:
+    """Fail with the file's name and both digests when a pinned file does not match."""
+    actual = sha256_file(path)
+    if actual != expected:
+        raise ChecksumError(f"checksum mismatch for {path}: expected sha256 {expected}, got {actual}")
+
+
+class ChecksumError(RuntimeError):
+    """A file does not have the sha256 it is pinned to."""
+
+
+def stable_hash(obj: Any) -> str:
+    """A short hash of a JSON-able object, independent of key order."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def manifest_files(paths: list[str | os.PathLike]) -> list[Path]:
+    """The files under ``paths`` (directories expanded), sorted and without duplicates; hidden files skipped."""
+    found: set[Path] = set()
+    for path in map(Path, paths):
+        if path.is_dir():
+            found.update(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        elif path.is_file():
+            found.add(path)
+        else:
+            raise FileNotFoundError(f"manifest input missing: {path}")
+    return sorted(found)
+
+
+def write_manifest(paths: list[str | os.PathLike], root: str | os.PathLike, target: str | os.PathLike) -> int:
+    """Write a ``sha256sum -c`` compatible manifest, paths relative to ``root``; return the file count."""
+    root = Path(root)
+    lines = [f"{sha256_file(p)}  {p.relative_to(root).as_posix()}" for p in manifest_files(paths)]
+    write_text("\n".join(lines) + "\n", target)
+    return len(lines)
+
+
+def verify_manifest(results_dir: str | os.PathLike, manifest: str | os.PathLike) -> list[str]:
+    """Recompute every checksum in ``manifest``; return a line per file that is missing or differs."""
+    root = Path(results_dir)
+    problems = []
+    for line in Path(manifest).read_text().splitlines():
+        if not line.strip():
+            continue
+        digest, rel = line.split("  ", 1)
+        path = root / rel
+        if not path.exists():
+            problems.append(f"MISSING {rel}")
+        elif sha256_file(path) != digest:
+            problems.append(f"DIFFERS {rel}")
+    return problems
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in TRACKED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def git_commit(repo_dir: str | os.PathLike) -> dict[str, Any]:
+    def run(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=repo_dir, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    status = run("status", "--porcelain")
+    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+def hardware() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "machine": platform.machine(), "processor": platform.processor(), "system": platform.system(),
+        "python": platform.python_version(), "cpu_count": os.cpu_count(),
+    }
+    try:
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
+        info["cuda"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:  # provenance must still be written where torch is absent
+        info["cuda"] = None
+    return info
+
+
+def install_mode() -> str:
+    """How the software environment was made: a Snakemake conda env, another conda env, or pip."""
+    prefix = os.environ.get("CONDA_PREFIX", "")
+    if ".snakemake/conda" in prefix:
+        return "snakemake-conda"
+    if prefix:
+        return "conda"
+    return "pip"
+
+
+def provenance_record(config: dict, analysis_hash: str, repo_dir: str | os.PathLike, **extra: Any) -> dict:
+    """What a reviewer needs to trust the numbers: code, settings, deviations, software, hardware, seeds."""
+    from replaynoise.config import deviations
+
+    return {
+        "git": git_commit(repo_dir),
+        "analysis_hash": analysis_hash,
+        "config": config,
+        "deviations_from_committed_defaults": deviations(config),
+        "seeds": {"root": config.get("seed"),
+                  "derivation": "blake2b(root, config, purpose, problem, pivot, branch, k) -> 63-bit"},
+        "packages": package_versions(),
+        "hardware": hardware(),
+        "install_mode": install_mode(),
+        **extra,
+    }

@@ -1,0 +1,140 @@
+"""Replay passes: the same continuation requests, replayed from different prefix states.
+
+A pass turns every pivot into 2 branches x K continuation requests, packs them into batches by its own
+schedule seed (so a replica meets different batch compositions, as on a stock serving engine), runs the
+batches through the engine and grades each continuation. Batches are written to a scratch folder as they
+finish: a killed pass resumes without redoing them, and since the schedule is fixed by its seed the resumed
+result is the same as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from replaynoise.data import extract_answer, is_correct
+from replaynoise.engines.base import ContinuationRequest, Engine, SamplingSettings
+from replaynoise.seeds import derive_seed
+from replaynoise.progress import TokenProgress
+from replaynoise.provenance import write_parquet
+
+BRANCHES = ("orig", "sub")
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """How a pass obtains its prefix state, and which noise stream its continuations use."""
+
+    source: str
+    noise: str
+    purpose: str
+
+
+PASSES: dict[str, PassSpec] = {
+    "exact": PassSpec("decode_kv", "crn", "ground truth: resume from the verified decode-time KV"),
+    "replica": PassSpec("decode_kv", "crn", "the same again, as an independent pass: the replica noise floor"),
+    "refeed": PassSpec("refeed_ids", "crn", "prefix token ids fed again as a fresh prompt"),
+    "refeed_text": PassSpec("refeed_text", "crn", "prefix decoded to text and re-tokenized, then prefilled"),
+    "selector": PassSpec("decode_kv", "selector", "exact with fresh seeds: decides informativeness independently"),
+    "replica_fresh": PassSpec("decode_kv", "fresh", "exact with fresh seeds: the Monte-Carlo floor"),
+}
+
+
+def continuation_seed(seed: int, config_name: str, pivot_id: str, branch: str, k: int, noise: str) -> int:
+    """Common random numbers: the seed ignores the pass, so every 'crn' pass draws the same noise per row."""
+    return derive_seed(seed, config_name, noise, pivot_id, branch, k)
+
+
+def schedule_seed(seed: int, config_name: str, pass_name: str) -> int:
+    return derive_seed(seed, config_name, "schedule", pass_name)
+
+
+def build_requests(pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: str, k: int, seed: int,
+                   config_name: str, tokenizer=None) -> list[ContinuationRequest]:
+    """2 branches x K requests per pivot, in pivot order; identical across passes but for the noise stream."""
+    spec = PASSES[pass_name]
+    by_problem = {r["problem_id"]: r for r in rollouts.iter_rows(named=True)}
+    requests = []
+    for p in pivots.iter_rows(named=True):
+        r = by_problem[p["problem_id"]]
+        prefix = tuple(r["prompt_ids"] + r["response_ids"][: p["t"]])
+        text_ids = None
+        if spec.source == "refeed_text":
+            if tokenizer is None:
+                raise ValueError("refeed_text needs the tokenizer to re-tokenize the prefix")
+            text = tokenizer.decode(list(prefix), skip_special_tokens=False)
+            text_ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+        for branch, token in zip(BRANCHES, (p["orig_token"], p["sub_token"])):
+            for j in range(k):
+                requests.append(ContinuationRequest(
+                    pivot_id=p["pivot_id"], branch=branch, k=j,
+                    seed=continuation_seed(seed, config_name, p["pivot_id"], branch, j, spec.noise),
+                    prefix_ids=prefix, branch_token=int(token), kv_file=r["kv_file"], kv_sha256=r["kv_sha256"],
+                    expected_digest=r["logits_digests"][p["t"]], text_prefix_ids=text_ids))
+    return requests
+
+
+def make_schedule(n_rows: int, batch_size: int, seed: int) -> list[list[int]]:
+    """Shuffle the rows with the pass's schedule seed and cut them into batches, as arrival order would."""
+    order = np.random.default_rng(seed).permutation(n_rows)
+    return [sorted(int(i) for i in order[s:s + batch_size]) for s in range(0, n_rows, batch_size)]
+
+
+def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: str, config_name: str,
+             seed: int, k: int, sampling: SamplingSettings, batch_size: int, work_dir: Path) -> pl.DataFrame:
+    """Run (or resume) one pass; returns one graded row per continuation."""
+    spec = PASSES[pass_name]
+    requests = build_requests(pivots, rollouts, pass_name=pass_name, k=k, seed=seed, config_name=config_name,
+                              tokenizer=engine.tokenizer)
+    sched_seed = schedule_seed(seed, config_name, pass_name)
+    batches = make_schedule(len(requests), batch_size, sched_seed)
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    done = {int(p.stem.split("_")[1]) for p in work_dir.glob("batch_*.parquet")}
+    rows_done = sum(len(batches[b]) for b in done if b < len(batches))
+    progress = TokenProgress(len(requests), f"{pass_name} {config_name}", initial=rows_done)
+    golds = dict(zip(rollouts["problem_id"], rollouts["gold"]))
+    pivot_problem = dict(zip(pivots["pivot_id"], pivots["problem_id"]))
+    response_prefix = {p["pivot_id"]: p for p in pivots.iter_rows(named=True)}
+
+    for batch_id, rows in enumerate(batches):
+        if batch_id in done:
+            continue
+        batch = [requests[i] for i in rows]
+        results = engine.run_batch(batch, spec.source, sampling)
+        records = []
+        for req, res in zip(batch, results):
+            prompt_len = len(req.prefix_ids) - response_prefix[req.pivot_id]["t"]
+            response = list(req.prefix_ids[prompt_len:]) + [req.branch_token] + res.token_ids
+            text = engine.tokenizer.decode(response, skip_special_tokens=True)
+            answer = extract_answer(text)
+            records.append({
+                "pivot_id": req.pivot_id, "problem_id": pivot_problem[req.pivot_id], "branch": req.branch,
+                "k": req.k, "branch_token": req.branch_token, "seed": req.seed, "schedule_seed": sched_seed,
+                "batch_id": batch_id, "batch_size": len(batch), "prefix_source": spec.source,
+                "verified": res.verified, "prefix_len": res.prefix_len, "token_ids": res.token_ids, "text": text,
+                "answer": answer, "correct": is_correct(answer, golds[pivot_problem[req.pivot_id]]),
+                "finish_reason": res.finish_reason, "n_tokens": len(res.token_ids),
+                "next_topk_ids": res.next_topk_ids, "next_topk_logprobs": res.next_topk_logprobs,
+                "next_digest": res.next_digest, "kv_maxdiff": res.kv_maxdiff,
+            })
+        write_parquet(pl.DataFrame(records, schema=PASS_SCHEMA), work_dir / f"batch_{batch_id:05d}.parquet")
+        progress.rows(len(batch), sum(len(r.token_ids) for r in results))
+    progress.close()
+    parts = [pl.read_parquet(work_dir / f"batch_{b:05d}.parquet") for b in range(len(batches))]
+    frame = pl.concat(parts) if parts else pl.DataFrame(schema=PASS_SCHEMA)
+    return frame.sort("pivot_id", "branch", "k")
+
+
+PASS_SCHEMA = {
+    "pivot_id": pl.Utf8, "problem_id": pl.Utf8, "branch": pl.Utf8, "k": pl.Int64, "branch_token": pl.Int64,
+    "seed": pl.Int64, "schedule_seed": pl.Int64, "batch_id": pl.Int64, "batch_size": pl.Int64,
+    "prefix_source": pl.Utf8, "verified": pl.Boolean, "prefix_len": pl.Int64, "token_ids": pl.List(pl.Int64),
+    "text": pl.Utf8, "answer": pl.Utf8, "correct": pl.Boolean, "finish_reason": pl.Utf8, "n_tokens": pl.Int64,
+    "next_topk_ids": pl.List(pl.Int64), "next_topk_logprobs": pl.List(pl.Float64), "next_digest": pl.Utf8,
+    "kv_maxdiff": pl.List(pl.Float64),
+}
+

@@ -1,0 +1,182 @@
+"""Headline tables (CSV, Markdown, LaTeX) with the paper's published ranges alongside.
+
+Every table carries the analysis-config hash, so a table can be traced to the exact settings that made it;
+nulls print as "n/a" so that an undefined number is never mistaken for a zero.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import polars as pl
+
+from replaynoise.provenance import write_text
+
+NA = "n/a"
+
+#: The paper's figures (method.md section 5; abstract of arXiv 2606.15621). Shares are fractions, excess is pp.
+PAPER_RANGES: dict[str, dict[str, Any]] = {
+    "excess_pp": {"lo": 14.0, "hi": 28.0, "unit": "pp", "text": "14-28", "conditioning": "main",
+                  "label": "re-feed excess over replica floor (pp)"},
+    "excess_pp_treatment_independent": {"lo": 7.0, "hi": 21.0, "unit": "pp", "text": "7-21",
+                                        "conditioning": "treatment_independent",
+                                        "label": "re-feed excess, treatment-independent conditioning (pp)"},
+    "t": {"lo": 2.9, "hi": 6.4, "unit": "", "text": "2.9-6.4", "label": "problem-clustered t"},
+    "replica_disagreement": {"lo": 0.09, "hi": 0.23, "unit": "share", "text": "9-23%",
+                             "label": "replica disagreement on eligible estimates"},
+    "jaccard_refeed": {"lo": 0.34, "hi": 0.90, "unit": "", "text": "0.34-0.90",
+                       "label": "Jaccard re-feed vs exact"},
+    "jaccard_replica_ceiling": {"lo": 0.63, "hi": 0.96, "unit": "", "text": "0.63-0.96",
+                                "label": "Jaccard replica ceiling"},
+    "invariant_disagreement": {"lo": 0.0, "hi": 0.0, "unit": "share", "text": "0 (exactly)",
+                               "label": "batch-invariant run: all passes identical, both rates exactly 0"},
+    "cache_hit_rate": {"lo": 1.0, "hi": 1.0, "unit": "share", "text": "100% over 3434 pivots",
+                       "n_pivots": 3434, "label": "exact-pass cache hits"},
+    "compute_usd": {"lo": None, "hi": 10.0, "unit": "USD", "text": "< 10 USD", "label": "total compute"},
+}
+
+
+def _range_text(key: str) -> str:
+    return PAPER_RANGES[key]["text"]
+
+
+def paper_range(metric: str, conditioning: str) -> str:
+    """The paper's range for a headline column under a conditioning; "n/a" where the paper reports none.
+
+    The abstract gives one excess range per conditioning and the other ranges without saying which
+    conditioning they belong to; we set them against both conditioned analyses and not the unconditioned one.
+    """
+    if conditioning not in ("main", "treatment_independent"):
+        return NA
+    if metric == "excess_pp":
+        return _range_text("excess_pp" if conditioning == "main" else "excess_pp_treatment_independent")
+    key = {"floor": "replica_disagreement", "t": "t", "jaccard_refeed": "jaccard_refeed",
+           "jaccard_replica_ceiling": "jaccard_replica_ceiling"}.get(metric)
+    return _range_text(key) if key else NA
+
+
+PAPER_COLUMNS = ("floor", "excess_pp", "t", "jaccard_refeed", "jaccard_replica_ceiling")
+
+
+def with_paper_columns(df: pl.DataFrame) -> pl.DataFrame:
+    """Add ``paper_<metric>`` string columns with the range that applies to each row's conditioning."""
+    conds = df["conditioning"].to_list()
+    return df.with_columns(
+        pl.Series(f"paper_{m}", [paper_range(m, c) for c in conds], dtype=pl.String) for m in PAPER_COLUMNS
+    )
+
+
+# ------------------------------------------------------------------------------------------ formatting
+
+def _pct(x: float | None) -> str:
+    return NA if x is None else f"{100 * x:.1f}"
+
+
+def _fixed(digits: int) -> Callable[[float | None], str]:
+    return lambda x: NA if x is None else f"{x:.{digits}f}"
+
+
+def _with_ci(row: dict, key: str, fmt: Callable[[float | None], str]) -> str:
+    est, lo, hi = row.get(key), row.get(f"{key}_ci_lo"), row.get(f"{key}_ci_hi")
+    if est is None:
+        return NA
+    if lo is None or hi is None:
+        return fmt(est)
+    return f"{fmt(est)} [{fmt(lo)}, {fmt(hi)}]"
+
+
+#: (header, cell function) of the human-readable tables.
+def _display_columns() -> list[tuple[str, Callable[[dict], str]]]:
+    f2, f3 = _fixed(2), _fixed(3)
+    return [
+        ("config", lambda r: str(r["config"])),
+        ("conditioning", lambda r: str(r["conditioning"])),
+        ("n (problems)", lambda r: NA if r["n"] is None else f"{r['n']} ({r['n_problems']})"),
+        ("floor %", lambda r: _with_ci(r, "floor", _pct)),
+        ("re-feed D %", lambda r: _with_ci(r, "refeed_disagreement", _pct)),
+        ("excess pp", lambda r: _with_ci(r, "excess_pp", _fixed(1))),
+        ("paper excess pp", lambda r: r["paper_excess_pp"]),
+        ("t", lambda r: f2(r["t"])),
+        ("paper t", lambda r: r["paper_t"]),
+        ("paper floor", lambda r: r["paper_floor"]),
+        ("Jaccard re-feed", lambda r: _with_ci(r, "jaccard_refeed", f2)),
+        ("Jaccard ceiling", lambda r: _with_ci(r, "jaccard_replica_ceiling", f2)),
+        ("paper Jaccard / ceiling", lambda r: f"{r['paper_jaccard_refeed']} / {r['paper_jaccard_replica_ceiling']}"),
+        ("zero-crossing", lambda r: f2(r["share_zero_crossing"])),
+        ("reversal", lambda r: f2(r["share_reversal"])),
+        ("mean d", lambda r: _with_ci(r, "mean_diff", f3)),
+    ]
+
+
+def _cells(df: pl.DataFrame) -> tuple[list[str], list[list[str]], list[str]]:
+    cols = _display_columns()
+    rows, notes = [], []
+    for r in with_paper_columns(df).iter_rows(named=True):
+        rows.append([fn(r) for _, fn in cols])
+        if r.get("note"):
+            notes.append(f"{r['config']} / {r['conditioning']}: {r['note']}")
+    return [h for h, _ in cols], rows, notes
+
+
+def _footer_lines() -> list[str]:
+    return [
+        f"Paper: re-feed excess over replica floor {_range_text('excess_pp')} pp main, "
+        f"{_range_text('excess_pp_treatment_independent')} pp treatment-independent; "
+        f"t {_range_text('t')}; replica disagreement {_range_text('replica_disagreement')}; "
+        f"Jaccard {_range_text('jaccard_refeed')} vs ceiling {_range_text('jaccard_replica_ceiling')}.",
+        f"Paper: {PAPER_RANGES['invariant_disagreement']['label']}; "
+        f"{PAPER_RANGES['cache_hit_rate']['label']} {_range_text('cache_hit_rate')}; "
+        f"{PAPER_RANGES['compute_usd']['label']} {_range_text('compute_usd')}.",
+        "Intervals: problem-cluster bootstrap (percentile); t: OLS on a constant, problem-clustered SE.",
+    ]
+
+
+def render_markdown(df: pl.DataFrame, analysis_hash: str) -> str:
+    headers, rows, notes = _cells(df)
+    lines = [f"<!-- analysis_hash: {analysis_hash} -->", "", f"Analysis hash: `{analysis_hash}`", "",
+             "| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    lines += [""] + [f"- {line}" for line in _footer_lines()]
+    lines += [f"- note: {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+_TEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
+                "<": r"\textless{}", ">": r"\textgreater{}", "|": r"\textbar{}"}
+
+
+def tex_escape(text: str) -> str:
+    return "".join(_TEX_ESCAPES.get(ch, ch) for ch in text)
+
+
+def render_latex(df: pl.DataFrame, analysis_hash: str) -> str:
+    """A booktabs tabular (needs \\usepackage{booktabs}); notes and paper ranges follow as text."""
+    headers, rows, notes = _cells(df)
+    lines = [f"% analysis_hash: {analysis_hash}", "% generated by replaynoise.tables; do not edit",
+             r"\begin{tabular}{" + "ll" + "r" * (len(headers) - 2) + "}", r"\toprule",
+             " & ".join(tex_escape(h) for h in headers) + r" \\", r"\midrule"]
+    lines += [" & ".join(tex_escape(c) for c in row) + r" \\" for row in rows]
+    lines += [r"\bottomrule", r"\end{tabular}", "", r"\par\footnotesize"]
+    lines += [tex_escape(line) + r"\\" for line in _footer_lines()]
+    lines += [tex_escape(f"Note: {n}") + r"\\" for n in notes]
+    lines.append(tex_escape(f"Analysis hash: {analysis_hash}"))
+    return "\n".join(lines) + "\n"
+
+
+def render_csv(df: pl.DataFrame, analysis_hash: str) -> str:
+    """CSV with comment lines first (read back with ``pl.read_csv(path, comment_prefix="#")``)."""
+    body = with_paper_columns(df).write_csv(null_value=NA)
+    header = [f"# analysis_hash: {analysis_hash}"]
+    header += [f"# paper {key}: {_range_text(key)} ({PAPER_RANGES[key]['label']})" for key in PAPER_RANGES]
+    return "\n".join(header) + "\n" + body
+
+
+def write_headline_tables(df: pl.DataFrame, analysis_hash: str, out_csv: str | os.PathLike,
+                          out_md: str | os.PathLike, out_tex: str | os.PathLike) -> None:
+    """Write the headline frame (``analysis.headline_rows``) as CSV, Markdown and LaTeX, atomically."""
+    write_text(render_csv(df, analysis_hash), out_csv)
+    write_text(render_markdown(df, analysis_hash), out_md)
+    write_text(render_latex(df, analysis_hash), out_tex)

@@ -1,0 +1,143 @@
+"""Headline tables carry the hash and the paper's ranges; figures render, also without data, reproducibly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from replaynoise import figures
+from replaynoise.analysis import HEADLINE_SCHEMA, compare_passes, headline_rows
+from replaynoise.credit import CREDIT_COLUMNS
+from replaynoise.tables import PAPER_RANGES, paper_range, tex_escape, write_headline_tables
+
+K = 4
+HASH = "deadbeef01234567"
+
+
+def synthetic_credit(seed: int, n_pivots: int = 90) -> dict[str, pl.DataFrame]:
+    """Credit frames for exact, replica, refeed: replica jitters rarely, refeed more often."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, K + 1, size=(n_pivots, 2))
+    margins = rng.uniform(0, 0.2, size=n_pivots)
+    out = {}
+    for name, rate in (("exact", 0.0), ("replica", 0.1), ("refeed", 0.35)):
+        jitter = rng.integers(-1, 2, size=(n_pivots, 2)) * (rng.random((n_pivots, 1)) < rate)
+        counts = np.clip(base + jitter, 0, K)
+        out[name] = pl.DataFrame({
+            "pivot_id": [f"v{i}" for i in range(n_pivots)], "problem_id": [f"q{i // 3}" for i in range(n_pivots)],
+            "pass_name": name, "t": list(range(n_pivots)), "margin": margins, "prefix_len": 20,
+            "rollout_correct": True, "k": K, "n_orig_correct": counts[:, 0], "n_sub_correct": counts[:, 1],
+            "n_rows": 2 * K, "n_finished": 2 * K, "verified": True, "eligible": True,
+            "a_hat": (counts[:, 0] - counts[:, 1]) / K,
+        }).select(CREDIT_COLUMNS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[dict, dict]:
+    credits = {"cfg_a": synthetic_credit(1), "cfg_b": synthetic_credit(2)}
+    kw = {"theta": 0.5, "theta_sweep": None, "n_boot": 100, "seed": 0, "ci": 0.95}
+    results = {cfg: compare_passes(c, min_eligible=10, **kw) for cfg, c in credits.items()}
+    results["tiny"] = compare_passes(synthetic_credit(3, n_pivots=4), min_eligible=10, **kw)
+    return credits, results
+
+
+# ------------------------------------------------------------------------------------------------- tables
+
+def test_tables_carry_hash_paper_ranges_and_na(tmp_path: Path, data) -> None:
+    _, results = data
+    df = headline_rows(results)
+    out = {ext: tmp_path / f"headline.{ext}" for ext in ("csv", "md", "tex")}
+    write_headline_tables(df, HASH, out["csv"], out["md"], out["tex"])
+    texts = {ext: p.read_text() for ext, p in out.items()}
+    for ext, text in texts.items():
+        assert HASH in text, ext
+        for needle in ("14-28", "7-21", "2.9-6.4", "9-23\\%" if ext == "tex" else "9-23%", "0.34-0.90",
+                       "0.63-0.96", "3434"):
+            assert needle in text, (ext, needle)
+    assert texts["csv"].startswith(f"# analysis_hash: {HASH}\n")
+    assert texts["md"].startswith(f"<!-- analysis_hash: {HASH} -->")
+    assert texts["tex"].startswith(f"% analysis_hash: {HASH}")
+    # the "tiny" configuration has too few pivots: its numbers print as n/a, with the note
+    back = pl.read_csv(out["csv"], comment_prefix="#", null_values="n/a", schema_overrides=HEADLINE_SCHEMA)
+    assert back.height == 9 and set(HEADLINE_SCHEMA) <= set(back.columns)
+    tiny = back.filter((pl.col("config") == "tiny") & (pl.col("conditioning") == "main")).row(0, named=True)
+    assert tiny["floor"] is None and tiny["excess_pp"] is None and "too few eligible pivots" in tiny["note"]
+    main = back.filter((pl.col("config") == "cfg_a") & (pl.col("conditioning") == "main")).row(0, named=True)
+    assert main["paper_excess_pp"] == "14-28" and main["paper_jaccard_replica_ceiling"] == "0.63-0.96"
+    assert main["excess_pp"] == pytest.approx(df.filter(
+        (pl.col("config") == "cfg_a") & (pl.col("conditioning") == "main"))["excess_pp"][0])
+    md_tiny = next(line for line in texts["md"].splitlines() if line.startswith("| tiny | main |"))
+    assert md_tiny.count("n/a") >= 8 and "None" not in texts["md"]
+    assert r"\toprule" in texts["tex"] and r"\bottomrule" in texts["tex"]
+    assert r"cfg\_a & main" in texts["tex"] and "None" not in texts["tex"]
+
+
+def test_paper_ranges_by_conditioning() -> None:
+    assert PAPER_RANGES["excess_pp"]["lo"] == 14 and PAPER_RANGES["excess_pp"]["hi"] == 28
+    assert PAPER_RANGES["cache_hit_rate"]["n_pivots"] == 3434
+    assert paper_range("excess_pp", "main") == "14-28"
+    assert paper_range("excess_pp", "treatment_independent") == "7-21"
+    assert paper_range("excess_pp", "none") == "n/a"
+    assert tex_escape("a_b & 50% < 1") == r"a\_b \& 50\% \textless{} 1"
+
+
+# ------------------------------------------------------------------------------------------------ figures
+
+def _all_figures(credits, results, out: Path) -> list[Path]:
+    calls = [
+        (figures.plot_disagreement, results), (figures.plot_kinds_of_change, results),
+        (figures.plot_jaccard_sweep, results), (figures.plot_diff_histogram, credits),
+        (figures.plot_disagreement_vs_margin, credits),
+    ]
+    paths = []
+    for i, (fn, arg) in enumerate(calls, start=1):
+        png, pdf = out / f"fig{i}.png", out / f"fig{i}.pdf"
+        fn(arg, png, pdf)
+        paths += [png, pdf]
+    return paths
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory, data) -> list[Path]:
+    credits, results = data
+    return _all_figures(credits, results, tmp_path_factory.mktemp("figures"))
+
+
+def test_figures_are_written_and_byte_reproducible(tmp_path: Path, data, rendered) -> None:
+    credits, results = data
+    first = rendered
+    second = _all_figures(credits, results, tmp_path / "b")
+    for p, q in zip(first, second):
+        assert p.read_bytes()[:4] == (b"\x89PNG" if p.suffix == ".png" else b"%PDF")
+        assert p.stat().st_size > 5000
+        assert p.read_bytes() == q.read_bytes(), p.name
+    assert b"CreationDate" not in first[1].read_bytes()
+    assert not list(first[0].parent.glob(".*tmp"))  # atomic writes leave no temporaries
+
+
+def test_figures_without_data_say_so(tmp_path: Path, data, rendered) -> None:
+    _, results = data
+    empty = _all_figures(None, None, tmp_path / "none")
+    also_empty = _all_figures({}, {"tiny": results["tiny"]}, tmp_path / "tiny")
+    real = rendered
+    for p, q, r in zip(empty, also_empty, real):
+        assert p.exists() and q.exists()
+        if p.suffix == ".png" and p.name in ("fig1.png", "fig2.png", "fig3.png"):
+            # a configuration with too few pivots draws the same "no eligible pivots" figure as no data
+            assert p.read_bytes() == q.read_bytes()
+        assert p.read_bytes() != r.read_bytes()
+
+
+def test_margin_bins_cover_all_pivots(data) -> None:
+    credits, _ = data
+    sel = figures.eligible_frame(credits["cfg_a"], "none")
+    edges = figures.margin_bins(sel["margin"].to_numpy(), 4)
+    table = figures.disagreement_by_margin(sel, edges)
+    assert table["n"].sum() == sel.height and table.height == 4
+    e, r = sel["a_hat__exact"].to_numpy(), sel["a_hat__refeed"].to_numpy()
+    overall = (table["refeed"] * table["n"]).sum() / table["n"].sum()
+    assert overall == pytest.approx((e != r).mean())

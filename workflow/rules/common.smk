@@ -1,0 +1,69 @@
+import re
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+
+sys.path.insert(0, workflow.basedir)
+
+from replaynoise.config import ConfigError, analysis_hash, validate_config  # noqa: E402
+from replaynoise.replay import PASSES  # noqa: E402
+
+try:
+    _validated = validate_config(config)
+except ConfigError as exc:
+    raise WorkflowError(str(exc)) from None
+config.clear()
+config.update(_validated)
+
+CONFIGS = sorted(config["configs"])
+RUN_PASSES = list(config["replay"]["passes"])
+ANALYSIS_HASH = analysis_hash(config)
+PACKAGE_DIR = "resources/packages"
+LOGS = "results/logs"
+BENCH = "results/benchmarks"
+
+
+wildcard_constraints:
+    config="|".join(re.escape(c) for c in CONFIGS),
+    pass_name="|".join(RUN_PASSES),
+
+
+def dataset_name():
+    """The problems file is named after the packaged dataset, or after the user's file."""
+    ds = config["dataset"]
+    return ds["source"] if ds["source"] != "file" else "file-" + Path(ds["path"]).stem
+
+
+def model_key(name):
+    """Configurations that share model and dtype share one prepared model directory."""
+    settings = config["configs"][name]
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", settings["model"]).strip("_")
+    return f"{slug}-{settings['dtype']}"
+
+
+MODEL_KEYS = {model_key(c): config["configs"][c] for c in CONFIGS}
+
+
+def problems_file():
+    return f"results/problems/{dataset_name()}.parquet"
+
+
+def model_dir(wildcards):
+    return f"results/models/{model_key(wildcards.config)}"
+
+
+def settings(wildcards):
+    return config["configs"][wildcards.config]
+
+
+def pass_file(config_name, pass_name):
+    return f"results/passes/{config_name}/{pass_name}.parquet"
+
+
+def credit_file(config_name, pass_name):
+    return f"results/credit/{config_name}/{pass_name}.parquet"
+
+
+def all_credit(wildcards=None):
+    return [credit_file(c, p) for c in CONFIGS for p in RUN_PASSES]

@@ -1,0 +1,14 @@
+rule compute_credit:
+    input:
+        passes=lambda w: pass_file(w.config, w.pass_name),
+        pivots="results/pivots/{config}.parquet",
+    output:
+        "results/credit/{config}/{pass_name}.parquet",
+    params:
+        k=config["replay"]["k"],
+    log:
+        f"{LOGS}/compute_credit/{{config}}.{{pass_name}}.log",
+    conda:
+        "../../envs/analysis.yaml"
+    script:
+        "../scripts/compute_credit.py"

@@ -1,0 +1,15 @@
+rule sample_problems:
+    output:
+        "results/problems/{dataset}.parquet",
+    params:
+        source=config["dataset"]["source"],
+        path=config["dataset"]["path"],
+        n=config["dataset"]["n_problems"],
+        seed=config["seed"],
+        cache=PACKAGE_DIR,
+    log:
+        f"{LOGS}/sample_problems/{{dataset}}.log",
+    conda:
+        "../../envs/analysis.yaml"
+    script:
+        "../scripts/sample_problems.py"

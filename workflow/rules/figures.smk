@@ -1,0 +1,63 @@
+# Each figure is its own rule, so a figure setting reruns only the figures that use it.
+FIGURES_FROM_COMPARISONS = ["disagreement", "kinds_of_change", "jaccard_sweep"]
+FIGURES_FROM_CREDIT = ["diff_histogram", "disagreement_vs_margin"]
+
+
+def figure_outputs(name):
+    return {
+        "png": report(
+            f"results/figures/{name}.png",
+            caption=f"../report/{name}.rst",
+            category="Figures",
+        ),
+        "pdf": f"results/figures/{name}.pdf",
+    }
+
+
+for _fig in FIGURES_FROM_COMPARISONS:
+
+    rule:
+        name:
+            f"figure_{_fig}"
+        input:
+            comparisons=expand("results/analysis/{config}/comparison.json", config=CONFIGS),
+        output:
+            **figure_outputs(_fig),
+        params:
+            figure=_fig,
+            configs=CONFIGS,
+            conditioning=config["figures"]["conditioning"],
+        log:
+            f"{LOGS}/figure_{_fig}.log",
+        conda:
+            "../../envs/analysis.yaml"
+        script:
+            "../scripts/figure.py"
+
+
+for _fig in FIGURES_FROM_CREDIT:
+
+    rule:
+        name:
+            f"figure_{_fig}"
+        input:
+            credit=all_credit,
+        output:
+            **figure_outputs(_fig),
+        params:
+            figure=_fig,
+            configs=CONFIGS,
+            passes=RUN_PASSES,
+            conditioning=config["figures"]["conditioning"],
+            margin_bins=config["figures"]["margin_bins"] if _fig == "disagreement_vs_margin" else None,
+        log:
+            f"{LOGS}/figure_{_fig}.log",
+        conda:
+            "../../envs/analysis.yaml"
+        script:
+            "../scripts/figure.py"
+
+
+rule figures:
+    input:
+        expand("results/figures/{name}.{ext}", name=FIGURES_FROM_COMPARISONS + FIGURES_FROM_CREDIT, ext=["png", "pdf"]),

@@ -1,0 +1,16 @@
+rule prepare_model:
+    output:
+        directory("results/models/{model_key}"),
+    params:
+        spec=lambda w: MODEL_KEYS[w.model_key]["model"],
+        dtype=lambda w: MODEL_KEYS[w.model_key]["dtype"],
+        cache=PACKAGE_DIR,
+    log:
+        f"{LOGS}/prepare_model/{{model_key}}.log",
+    benchmark:
+        f"{BENCH}/prepare_model/{{model_key}}.tsv"
+    threads: config["resources"]["threads"]
+    conda:
+        "../../envs/torch.yaml"
+    script:
+        "../scripts/prepare_model.py"
