@@ -7,7 +7,7 @@ from replaynoise.logs import log_to  # noqa: E402
 log_to(snakemake.log[0])
 from replaynoise.provenance import verify_manifest  # noqa: E402
 
-problems = verify_manifest("results", snakemake.input.manifest)
+problems = verify_manifest("results", snakemake.params.manifest)
 for line in problems:
     print(line, file=sys.stderr)
     print(line, file=sys.__stderr__)

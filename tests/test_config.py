@@ -1,0 +1,310 @@
+"""Config validation, schema defaults, the pre-registration hash, deviations, and the Snakemake parse-time check."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from replaynoise.config import (
+    DEFAULT_CONFIG_PATH,
+    ConfigError,
+    analysis_hash,
+    deviations,
+    load_schema,
+    validate_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEFILE = REPO / "Snakefile"
+CONFIG_NAME = "smollm2-bf16"
+
+
+@pytest.fixture
+def committed() -> dict:
+    return yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+
+
+def with_value(config: dict, dotted: str, value) -> dict:
+    """A deep copy of ``config`` with the key at ``dotted`` (a.b.c) set to ``value``."""
+    config = copy.deepcopy(config)
+    *parents, last = dotted.split(".")
+    node = config
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return config
+
+
+def leaf_differences(a, b, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            sub = f"{path}.{key}" if path else key
+            if key not in a or key not in b:
+                out.append(f"{sub}: only in {'schema defaults' if key in a else 'config.yaml'}")
+            else:
+                out += leaf_differences(a[key], b[key], sub)
+        return out
+    return [] if a == b else [f"{path}: schema default {a!r} != config.yaml {b!r}"]
+
+
+# --- the committed config and the schema defaults -------------------------------------------------------------
+
+
+def test_committed_config_validates_and_is_complete(committed):
+    validated = validate_config(committed)
+    # Every key is spelled out in config.yaml, so filling defaults adds nothing.
+    assert validated == committed
+    assert validate_config(validated) == validated
+
+
+def test_validate_does_not_mutate_its_argument(committed):
+    minimal = {"configs": {"x": {"model": "smollm2-135m"}}}
+    snapshot = copy.deepcopy(minimal)
+    validate_config(minimal)
+    assert minimal == snapshot
+
+
+def test_schema_defaults_equal_committed_values(committed):
+    """A near-empty config gets every section filled, with exactly the committed values."""
+    filled = validate_config({"configs": {"x": {"model": "smollm2-135m"}}})
+    assert set(filled) == set(load_schema()["properties"]) == set(committed)
+    # The one named configuration gets every per-config default; compare it with the committed one.
+    filled["configs"] = {CONFIG_NAME: filled["configs"]["x"]}
+    assert filled["configs"][CONFIG_NAME]["model"] == committed["configs"][CONFIG_NAME]["model"]
+    problems = leaf_differences(filled, committed)
+    assert not problems, "config/schema.yaml and config/config.yaml disagree:\n" + "\n".join(problems)
+
+
+def test_every_schema_property_documents_a_default_or_is_required():
+    schema = load_schema()
+    missing = []
+
+    def walk(node: dict, path: str) -> None:
+        required = set(node.get("required", []))
+        for key, sub in node.get("properties", {}).items():
+            sub_path = f"{path}.{key}" if path else key
+            if "default" not in sub and key not in required:
+                missing.append(sub_path)
+            walk(sub, sub_path)
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):
+            walk(extra, f"{path}.<name>")
+
+    walk(schema, "")
+    assert not missing, f"schema properties without a default: {missing}"
+
+
+# --- bad values fail by name ----------------------------------------------------------------------------------
+
+BAD_VALUES = {
+    "k-zero": ("replay.k", 0, ["replay.k", "minimum of 1"]),
+    "unknown-pass": ("replay.passes", ["exact", "replica", "refeed", "bogus"],
+                     ["replay.passes", "'bogus'", "allowed values: exact, replica, refeed, selector, refeed_text, "
+                      "replica_fresh"]),
+    "passes-without-refeed": ("replay.passes", ["exact", "replica", "selector"], ["replay.passes", "'refeed'"]),
+    "unknown-source": ("dataset.source", "mnist",
+                       ["dataset.source", "'mnist'", "allowed values: simple_addsub, gsm8k, svamp, mawps_addsub, "
+                        "mawps_singleop, mawps_multiarith, mawps_singleeq, file"]),
+    "bad-dtype": (f"configs.{CONFIG_NAME}.dtype", "int8",
+                  [f"configs.{CONFIG_NAME}.dtype", "'int8'", "allowed values: bfloat16, float16, float32"]),
+    "n-problems-string": ("dataset.n_problems", "12", ["dataset.n_problems", "not of type 'integer'"]),
+    "unknown-top-level": ("bogus_section", {"a": 1}, ["(top level)", "bogus_section", "allowed keys:", "replay"]),
+    "unknown-model": (f"configs.{CONFIG_NAME}.model", "no-such-model-xyz",
+                      [f"configs.{CONFIG_NAME}.model", "no-such-model-xyz", "smollm2-135m"]),
+    "unknown-nested-key": ("pivots.max_margn", 0.1, ["pivots", "max_margn", "allowed keys:", "max_margin"]),
+    "bad-device": (f"configs.{CONFIG_NAME}.device", "gpu", [f"configs.{CONFIG_NAME}.device", "'gpu'"]),
+}
+
+
+@pytest.mark.parametrize("key,value,expected", BAD_VALUES.values(), ids=BAD_VALUES.keys())
+def test_bad_value_fails_naming_the_key(committed, key, value, expected):
+    with pytest.raises(ConfigError) as info:
+        validate_config(with_value(committed, key, value))
+    message = str(info.value)
+    for text in expected:
+        assert text in message, f"{text!r} not in {message!r}"
+
+
+def test_passes_missing_two_required_names_reports_both(committed):
+    config = with_value(committed, "replay.passes", ["exact", "selector", "refeed_text"])
+    with pytest.raises(ConfigError) as info:
+        validate_config(config)
+    assert "'replica'" in str(info.value) and "'refeed'" in str(info.value)
+    assert "must include 'exact'" not in str(info.value)
+
+
+def test_file_source_without_path_fails(committed):
+    config = with_value(committed, "dataset.source", "file")
+    with pytest.raises(ConfigError, match=r"dataset\.path: required when dataset\.source is 'file'"):
+        validate_config(config)
+
+
+def test_file_source_with_missing_file_fails(committed, tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    config = with_value(with_value(committed, "dataset.source", "file"), "dataset.path", str(missing))
+    with pytest.raises(ConfigError, match=r"dataset\.path: file not found") as info:
+        validate_config(config)
+    assert str(missing) in str(info.value)
+
+
+def test_file_source_with_existing_file_and_local_model_dir_validate(committed, tmp_path):
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n')
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    config = with_value(with_value(committed, "dataset.source", "file"), "dataset.path", str(data))
+    config = with_value(config, f"configs.{CONFIG_NAME}.model", str(model_dir))
+    validated = validate_config(config)
+    assert validated["dataset"]["path"] == str(data)
+    # A path that is a file, not a directory, is not a model.
+    with pytest.raises(ConfigError, match=rf"configs\.{re.escape(CONFIG_NAME)}\.model"):
+        validate_config(with_value(config, f"configs.{CONFIG_NAME}.model", str(data)))
+
+
+def test_configs_must_be_non_empty_and_well_named(committed):
+    with pytest.raises(ConfigError, match=r"config key configs: \{\} should be non-empty"):
+        validate_config(with_value(committed, "configs", {}))
+    with pytest.raises(ConfigError, match=r"config key configs: 'bad name!' does not match"):
+        validate_config({"configs": {"bad name!": {"model": "smollm2-135m"}}})
+    with pytest.raises(ConfigError, match=r"config key configs\.x: 'model' is a required property"):
+        validate_config({"configs": {"x": {"dtype": "float32"}}})
+
+
+# --- the pre-registration hash and deviations -----------------------------------------------------------------
+
+PROTOCOL_CHANGES = {
+    "seed": 1,
+    "dataset.n_problems": 13,
+    "prompt.style": "plain",
+    f"configs.{CONFIG_NAME}.temperature": 1.0,
+    "pivots.max_margin": 0.1,
+    "pivots.choose": "lowest_margin",
+    "replay.k": 8,
+    "replay.passes": ["exact", "replica", "refeed"],
+    "analysis.theta": 0.25,
+}
+
+
+@pytest.mark.parametrize("key,value", PROTOCOL_CHANGES.items(), ids=PROTOCOL_CHANGES.keys())
+def test_analysis_hash_changes_with_a_protocol_value(committed, key, value):
+    base = validate_config(committed)
+    changed = validate_config(with_value(committed, key, value))
+    assert analysis_hash(changed) != analysis_hash(base)
+    assert re.fullmatch(r"[0-9a-f]{16}", analysis_hash(changed))
+
+
+@pytest.mark.parametrize("key,value", [("figures.conditioning", "none"), ("figures.margin_bins", 9),
+                                       ("resources.threads", 16)])
+def test_analysis_hash_ignores_figures_and_resources(committed, key, value):
+    base = validate_config(committed)
+    changed = validate_config(with_value(committed, key, value))
+    assert changed != base
+    assert analysis_hash(changed) == analysis_hash(base)
+    assert deviations(changed) == []
+
+
+def test_analysis_hash_independent_of_key_order(committed):
+    reordered = {key: committed[key] for key in reversed(list(committed))}
+    reordered["replay"] = {key: committed["replay"][key] for key in reversed(list(committed["replay"]))}
+    assert analysis_hash(validate_config(reordered)) == analysis_hash(validate_config(committed))
+
+
+def test_no_deviations_for_the_committed_config(committed):
+    assert deviations(validate_config(committed)) == []
+
+
+def test_deviations_list_exactly_the_changed_keys(committed):
+    config = with_value(committed, "replay.k", 8)
+    config = with_value(config, f"configs.{CONFIG_NAME}.temperature", 1.0)
+    config = with_value(config, "dataset.n_problems", 30)
+    config = with_value(config, "figures.margin_bins", 3)  # not protocol: never a deviation
+    found = deviations(validate_config(config))
+    assert found == [
+        {"key": f"configs.{CONFIG_NAME}.temperature", "value": 1.0, "default": 0.7},
+        {"key": "dataset.n_problems", "value": 30, "default": 12},
+        {"key": "replay.k", "value": 8, "default": 4},
+    ]
+
+
+def test_deviations_against_explicit_defaults(committed):
+    defaults = validate_config(committed)
+    config = with_value(defaults, "analysis.ci", 0.9)
+    assert [d["key"] for d in deviations(config, defaults)] == ["analysis.ci"]
+    assert deviations(defaults, defaults) == []
+
+
+# --- Snakemake: the check runs at parse time, before any job ---------------------------------------------------
+
+
+def snakemake_exe() -> str:
+    beside = Path(sys.executable).with_name("snakemake")
+    exe = str(beside) if beside.exists() else shutil.which("snakemake")
+    if exe is None:
+        pytest.skip("snakemake is not installed")
+    return exe
+
+
+def dry_run(workdir: Path, *configfiles: Path) -> subprocess.CompletedProcess:
+    # Name the committed config explicitly: a relative ``configfile:`` in the Snakefile would be looked up in the
+    # working directory (the empty tmp dir), and extra configfiles are merged over it key by key.
+    cmd = [snakemake_exe(), "-n", "--cores", "1", "--directory", str(workdir), "-s", str(SNAKEFILE),
+           "--configfile", str(DEFAULT_CONFIG_PATH), *map(str, configfiles)]
+    return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=180)
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """The 'Job stats' table of a dry run, as rule -> count."""
+    table = output.split("Job stats:", 1)[1].split("total", 1)[0]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("override,key", [({"replay": {"k": 0}}, "replay.k"),
+                                          ({"dataset": {"source": "mnist"}}, "dataset.source")],
+                         ids=["k-zero", "unknown-source"])
+def test_snakemake_refuses_a_bad_config_before_any_job(tmp_path, override, key):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(override))  # merged over the default config by Snakemake
+    proc = dry_run(workdir, bad)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert f"config key {key}" in output, output
+    assert not (workdir / "results").exists()
+
+
+def test_snakemake_dry_run_lists_the_whole_pipeline(tmp_path):
+    proc = dry_run(tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    jobs = job_counts(output)
+    expected = {"sample_problems", "prepare_model", "generate_rollouts", "select_pivots", "replay_exact",
+                "replay_replica", "replay_refeed", "replay_selector", "compute_credit", "compare_passes",
+                "compare_pooled", "headline_tables", "manifest", "all"}
+    figures = {f"figure_{name}" for name in ("disagreement", "kinds_of_change", "jaccard_sweep", "diff_histogram",
+                                             "disagreement_vs_margin")}
+    assert set(jobs) == expected | figures, output
+    assert jobs["compute_credit"] == 4  # one configuration x four passes
+    assert not (tmp_path / "results").exists()
+
+
+def test_snakemake_dry_run_follows_the_configured_passes(tmp_path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    three = tmp_path / "three.yaml"
+    three.write_text(yaml.safe_dump({"replay": {"passes": ["exact", "replica", "refeed"]}}))
+    proc = dry_run(workdir, three)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    jobs = job_counts(output)
+    assert {"replay_exact", "replay_replica", "replay_refeed"} <= set(jobs)
+    assert "replay_selector" not in jobs
+    assert jobs["compute_credit"] == 3

@@ -1,0 +1,176 @@
+"""The HF engine on a real model (SmolLM2-135M, bf16, CPU): decode-time KV capture, verification, the passes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+
+from replaynoise import replay, rollouts
+from replaynoise.analysis import assert_all_identical, channel_agreement
+from replaynoise.credit import compute_credit
+from replaynoise.data import load_problems, sample_problems
+from replaynoise.engines import make_engine
+from replaynoise.engines.base import SamplingSettings, VerificationError
+from replaynoise.engines.hf import load_kv, save_kv, cache_layers
+from replaynoise.pivots import select_pivots
+
+pytestmark = pytest.mark.slow
+
+SEED = 7
+K = 2
+ROLLOUT = SamplingSettings(temperature=0.7, top_p=1.0, max_new_tokens=24)
+CONTINUE = SamplingSettings(temperature=0.7, top_p=1.0, max_new_tokens=12)
+
+
+def engine_for(model_dir: Path, kernels: str = "stock"):
+    settings = {"engine": "hf", "dtype": "bfloat16", "device": "cpu", "kernels": kernels}
+    return make_engine(settings, model_dir, topk=5, threads=2)
+
+
+def campaign(model_dir: Path, out: Path, kernels: str, n_problems: int = 3, per_rollout: int = 2):
+    """Rollouts and pivots of a few easy problems: what every pass test starts from."""
+    engine = engine_for(model_dir, kernels)
+    problems = sample_problems(load_problems("simple_addsub", None, out), n_problems, SEED)
+    frame = rollouts.generate(engine, problems, config_name=kernels, seed=SEED, sampling=ROLLOUT, style="chat",
+                              instruction="Answer in one short sentence that ends with the number.",
+                              max_margin=0.3, kv_dir=out / "kv", work_dir=out / "work")
+    pivots = select_pivots(frame, max_margin=0.3, per_rollout=per_rollout, choose="random", seed=SEED,
+                           config_name=kernels)
+    assert pivots.height >= 2, "too few pivots to test anything: raise max_margin or the problem count"
+    return engine, frame, pivots
+
+
+def run(engine, frame, pivots, pass_name: str, work: Path, batch_size: int = 8) -> pl.DataFrame:
+    return replay.run_pass(engine, pivots, frame, pass_name=pass_name, config_name="t", seed=SEED, k=K,
+                           sampling=CONTINUE, batch_size=batch_size, work_dir=work / pass_name)
+
+
+@pytest.fixture(scope="module")
+def stock(smollm2_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stock")
+    engine, frame, pivots = campaign(smollm2_dir, out, "stock")
+    return engine, frame, pivots, out
+
+
+def test_rollouts_hold_real_continuations_and_kv(stock):
+    engine, frame, pivots, _ = stock
+    assert frame.height == 3
+    assert all(len(ids) > 0 for ids in frame["response_ids"])
+    assert all(len(top) == len(ids) for top, ids in zip(frame["topk_ids"], frame["response_ids"]))
+    assert all(any(c.isalpha() for c in text) for text in frame["text"])  # real text, not ids or blanks
+    # KV is kept only as far as the last candidate pivot needs, and pivots lie inside it
+    for p in pivots.iter_rows(named=True):
+        row = frame.filter(pl.col("problem_id") == p["problem_id"]).row(0, named=True)
+        assert p["prefix_len"] <= row["kv_len"] < len(row["prompt_ids"]) + len(row["response_ids"])
+
+
+def test_stored_kv_round_trips_bitwise(stock, tmp_path):
+    _, frame, _, _ = stock
+    path = frame.filter(pl.col("kv_file").is_not_null())["kv_file"][0]
+    layers = load_kv(path)
+    assert layers[0][0].dtype == torch.bfloat16  # native dtype, not upcast
+    again = tmp_path / "again.safetensors"
+    save_kv(layers, layers[0][0].shape[-2], again)
+    for (k1, v1), (k2, v2) in zip(layers, load_kv(again)):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_exact_resume_reproduces_rollout_logits_bitwise(stock):
+    engine, frame, pivots, _ = stock
+    requests = replay.build_requests(pivots, frame, pass_name="exact", k=1, seed=SEED, config_name="t")
+    for req in requests[::2]:  # one request per pivot
+        state = engine.prefix_state(req, "decode_kv")
+        assert state.verified, f"pivot {req.pivot_id}: stored KV did not reproduce the rollout's logits"
+
+
+def test_refeed_differs_from_exact_on_bf16(stock):
+    engine, frame, pivots, out = stock
+    exact = run(engine, frame, pivots, "exact", out)
+    refeed = run(engine, frame, pivots, "refeed", out)
+    assert exact["verified"].all()
+    # the re-fed prefix KV is not the decode-time KV ...
+    maxdiff = refeed["kv_maxdiff"].list.max()
+    assert (maxdiff > 0).any()
+    # ... and the next-token distribution after the branch token moves with it
+    joined = exact.join(refeed, on=["pivot_id", "branch", "k"], suffix="_r")
+    assert (joined["next_digest"] != joined["next_digest_r"]).any()
+
+
+def test_common_random_numbers_make_two_runs_of_a_pass_bitwise_equal(stock, smollm2_dir, tmp_path):
+    _, frame, pivots, _ = stock
+    first = run(engine_for(smollm2_dir), frame, pivots, "replica", tmp_path / "a")
+    second = run(engine_for(smollm2_dir), frame, pivots, "replica", tmp_path / "b")
+    assert first.equals(second)
+
+
+def test_replica_meets_other_batch_compositions(stock):
+    _, frame, pivots, _ = stock
+    n = 2 * K * pivots.height
+    exact = replay.make_schedule(n, 4, replay.schedule_seed(SEED, "t", "exact"))
+    replica = replay.make_schedule(n, 4, replay.schedule_seed(SEED, "t", "replica"))
+    assert sorted(map(sorted, exact)) != sorted(map(sorted, replica))
+    assert sorted(i for b in replica for i in b) == list(range(n))
+
+
+def test_interrupted_pass_resumes_without_redoing_batches(stock, tmp_path):
+    engine, frame, pivots, _ = stock
+    whole = run(engine, frame, pivots, "exact", tmp_path / "whole", batch_size=4)
+    work = tmp_path / "resumed" / "exact"
+    run(engine, frame, pivots, "exact", tmp_path / "resumed", batch_size=4)
+    kept = sorted(work.glob("batch_*.parquet"))
+    assert len(kept) >= 2
+    for path in kept[1:]:  # as if killed after the first batch
+        path.unlink()
+    marker = kept[0].stat().st_mtime_ns
+    resumed = run(engine, frame, pivots, "exact", tmp_path / "resumed", batch_size=4)
+    assert kept[0].stat().st_mtime_ns == marker  # the finished batch was not redone
+    assert resumed.equals(whole)
+
+
+def test_corrupted_kv_file_is_detected_and_named(stock, tmp_path):
+    engine, frame, pivots, _ = stock
+    row = frame.filter(pl.col("kv_file").is_not_null()).row(0, named=True)
+    bad = tmp_path / "bad.safetensors"
+    data = bytearray(Path(row["kv_file"]).read_bytes())
+    data[-7] ^= 0x01  # flip one bit inside the tensor data
+    bad.write_bytes(bytes(data))
+    with pytest.raises(VerificationError, match="bad.safetensors"):
+        load_kv(bad, row["kv_sha256"])
+    # without a recorded checksum, a changed value inside the prefix still fails the bitwise verification
+    pivot = pivots.filter(pl.col("problem_id") == row["problem_id"]).row(0, named=True)
+    layers = load_kv(row["kv_file"])
+    keys = layers[3][0].clone()
+    keys[0, 0, pivot["prefix_len"] - 2, 0] = torch.nextafter(keys[0, 0, pivot["prefix_len"] - 2, 0],
+                                                            torch.tensor(float("inf"), dtype=keys.dtype))
+    layers[3] = (keys, layers[3][1])
+    tampered = tmp_path / "tampered.safetensors"
+    save_kv(layers, keys.shape[-2], tampered)
+    requests = replay.build_requests(pl.DataFrame([pivot]), frame.with_columns(
+        kv_file=pl.lit(str(tampered)), kv_sha256=pl.lit(None, pl.Utf8)), pass_name="exact", k=1, seed=SEED,
+        config_name="t")
+    assert not engine_for_same(engine).prefix_state(requests[0], "decode_kv").verified
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(VerificationError, match="truncated.safetensors"):
+        load_kv(truncated)
+
+
+def engine_for_same(engine):
+    """A second engine on the same model, with empty prefix-state caches."""
+    from replaynoise.engines.hf import HFEngine
+
+    return HFEngine(engine.model, engine.tokenizer, kernels="stock", topk=engine.topk)
+
+
+def test_invariant_mode_makes_all_passes_bitwise_identical(smollm2_dir, tmp_path):
+    engine, frame, pivots = campaign(smollm2_dir, tmp_path, "invariant", n_problems=2, per_rollout=2)
+    passes = {name: run(engine, frame, pivots, name, tmp_path, batch_size=3) for name in ("exact", "replica", "refeed")}
+    credit = {name: compute_credit(df, pivots, K, name) for name, df in passes.items()}
+    agreement = channel_agreement(passes, credit)
+    assert set(agreement["channel"]) >= {"token_ids", "answer", "correct", "next_topk", "a_hat"}
+    assert_all_identical(agreement)
+    assert passes["exact"]["next_digest"].equals(passes["refeed"]["next_digest"])
+    assert all(max(d) == 0.0 for d in passes["refeed"]["kv_maxdiff"] if d is not None)

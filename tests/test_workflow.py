@@ -1,0 +1,130 @@
+"""The Snakemake workflow end to end on a tiny configuration, and what reruns when a setting changes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+import yaml
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
+
+TINY = {
+    "seed": 11,
+    "dataset": {"source": "simple_addsub", "n_problems": 3},
+    "configs": {"tiny": {"model": "smollm2-135m", "dtype": "bfloat16", "max_new_tokens": 24}},
+    "pivots": {"max_margin": 0.3, "per_rollout": 2},
+    "replay": {"k": 2, "max_new_tokens": 12, "batch_size": 8, "passes": ["exact", "replica", "refeed", "selector"]},
+    "analysis": {"n_boot": 50, "min_eligible": 1},
+}
+
+
+def snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cfg = workdir / "test-config.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    cmd = [*SNAKEMAKE, "--directory", str(workdir), "--cores", "2", "--configfile", str(cfg),
+           "--replace-workflow-config", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def planned_rules(workdir: Path, config: dict) -> set[str]:
+    """The rules a dry run would execute."""
+    out = snakemake(workdir, config, "-n", "--quiet", "rules").stdout
+    rules = set()
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("job", "total"):
+            rules.add(parts[0])
+    return rules
+
+
+@pytest.fixture(scope="module")
+def finished_run(smollm2_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("workflow")
+    # the model conversion is tested by the fixture itself; reuse its output instead of converting twice
+    shutil.copytree(smollm2_dir, workdir / "results" / "models" / "smollm2-135m-bfloat16")
+    snakemake(workdir, TINY)
+    return workdir
+
+
+def test_run_produces_every_result_with_a_valid_manifest(finished_run):
+    results = finished_run / "results"
+    for rel in ["problems/simple_addsub.parquet", "rollouts/tiny/rollouts.parquet", "pivots/tiny.parquet",
+                "passes/tiny/exact.parquet", "passes/tiny/replica.parquet", "passes/tiny/refeed.parquet",
+                "passes/tiny/selector.parquet", "credit/tiny/exact.parquet", "analysis/tiny/comparison.json",
+                "tables/headline.csv", "tables/headline.md", "tables/headline.tex", "figures/disagreement.png",
+                "figures/jaccard_sweep.pdf", "provenance.json"]:
+        assert (results / rel).is_file(), rel
+    check = subprocess.run(["sha256sum", "-c", "--quiet", "MANIFEST.sha256"], cwd=results, capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    listed = (results / "MANIFEST.sha256").read_text()
+    assert "rollouts/tiny/kv/" in listed and "logs/" not in listed and "benchmarks/" not in listed
+    provenance = json.loads((results / "provenance.json").read_text())
+    assert provenance["analysis_hash"] in (results / "tables" / "headline.md").read_text()
+    assert provenance["install_mode"] == "pip"
+    assert {d["key"] for d in provenance["deviations_from_committed_defaults"]} >= {"replay.k", "seed"}
+    assert not (results / "work").exists() or not any((results / "work").rglob("*.parquet"))
+
+
+def test_passes_hold_real_graded_continuations(finished_run):
+    results = finished_run / "results"
+    pivots = pl.read_parquet(results / "pivots" / "tiny.parquet")
+    exact = pl.read_parquet(results / "passes" / "tiny" / "exact.parquet")
+    assert exact.height == pivots.height * 2 * 2
+    assert exact["verified"].all()
+    assert exact["text"].str.contains("[A-Za-z]").all()
+    comparison = json.loads((results / "analysis" / "tiny" / "comparison.json").read_text())
+    assert comparison["verification"]["rate"] == 1.0
+
+
+def test_changing_sample_size_reruns_sampling_and_downstream_not_model(finished_run):
+    bigger = {**TINY, "dataset": {**TINY["dataset"], "n_problems": 4}}
+    rules = planned_rules(finished_run, bigger)
+    assert {"sample_problems", "generate_rollouts", "select_pivots", "replay_exact", "replay_refeed",
+            "compute_credit", "manifest"} <= rules
+    assert "prepare_model" not in rules
+
+
+def test_changing_a_figure_setting_reruns_only_figures(finished_run):
+    other = {**TINY, "figures": {"margin_bins": 3}}
+    rules = planned_rules(finished_run, other)
+    assert "figure_disagreement_vs_margin" in rules
+    assert rules <= {"figure_disagreement_vs_margin", "manifest", "all"}
+
+
+def test_changing_one_pass_setting_leaves_rollouts_alone(finished_run):
+    other = {**TINY, "replay": {**TINY["replay"], "batch_size": 4}}
+    rules = planned_rules(finished_run, other)
+    assert {"replay_exact", "replay_replica", "replay_refeed"} <= rules
+    assert not rules & {"prepare_model", "sample_problems", "generate_rollouts", "select_pivots"}
+
+
+def test_verify_target_reports_a_changed_file(finished_run):
+    snakemake(finished_run, TINY, "verify")
+    table = finished_run / "results" / "tables" / "headline.csv"
+    original = table.read_bytes()
+    try:
+        table.write_bytes(original + b"\n")
+        proc = snakemake(finished_run, TINY, "verify", check=False)
+        assert proc.returncode != 0
+        assert "tables/headline.csv" in proc.stdout + proc.stderr
+    finally:
+        table.write_bytes(original)
+
+
+def test_report_renders(finished_run):
+    snakemake(finished_run, TINY, "--report", "results/report.html")
+    html = (finished_run / "results" / "report.html").read_text(errors="replace")
+    assert "disagreement" in html and "headline" in html
