@@ -65,6 +65,17 @@ def _usable(results: Mapping[str, dict] | None, conditioning: str) -> dict[str, 
     return out
 
 
+def _no_data_message(results: Mapping[str, dict] | None, conditioning: str) -> str:
+    """Why a figure is empty, in the analysis' own words (e.g. too few eligible pivots, with the counts)."""
+    notes = []
+    for cfg, res in (results or {}).items():
+        block = (res or {}).get("conditionings", {}).get(conditioning) or {}
+        reason = block.get("note") or block.get("reason")
+        if reason:
+            notes.append(f"{cfg}: {reason}")
+    return "\n".join(notes) if notes else NO_DATA
+
+
 def _err(stat: dict, scale: float = 1.0) -> tuple[float, float, float]:
     """(value, lower error, upper error) for errorbar; a missing CI draws no bar rather than a fake one."""
     est = stat.get("estimate")
@@ -84,7 +95,7 @@ def plot_disagreement(results: Mapping[str, dict] | None, out_png: PathLike, out
     title = f"Credit-estimate disagreement with the exact pass ({conditioning})"
     blocks = _usable(results, conditioning)
     if not blocks:
-        save_figure(_message_figure(NO_DATA, title), out_png, out_pdf)
+        save_figure(_message_figure(_no_data_message(results, conditioning), title), out_png, out_pdf)
         return
     series: list[tuple[str, str, Any]] = [("replica floor", "floor", lambda b: b["disagreement"]["exact_vs_replica"]),
                                           ("re-feed", "refeed", lambda b: b["disagreement"]["exact_vs_refeed"])]
@@ -119,7 +130,7 @@ def plot_kinds_of_change(results: Mapping[str, dict] | None, out_png: PathLike, 
     title = f"Kinds of change ({conditioning})"
     blocks = _usable(results, conditioning)
     if not blocks:
-        save_figure(_message_figure(NO_DATA, title), out_png, out_pdf)
+        save_figure(_message_figure(_no_data_message(results, conditioning), title), out_png, out_pdf)
         return
     fig = _new_figure(max(6.0, 1.4 * len(blocks) + 3), 4.0)
     ax = fig.add_subplot()
@@ -156,7 +167,7 @@ def plot_jaccard_sweep(results: Mapping[str, dict] | None, out_png: PathLike, ou
     title = f"Critical-set overlap with the exact selection ({conditioning})"
     blocks = {c: b for c, b in _usable(results, conditioning).items() if b["selection"]["sweep"]}
     if not blocks:
-        save_figure(_message_figure(NO_DATA, title), out_png, out_pdf)
+        save_figure(_message_figure(_no_data_message(results, conditioning), title), out_png, out_pdf)
         return
     ncols = min(3, len(blocks))
     nrows = -(-len(blocks) // ncols)

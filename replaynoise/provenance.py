@@ -17,9 +17,10 @@ import tempfile
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import polars as pl
+if TYPE_CHECKING:  # polars is imported by the callers; this module must also load where only torch is
+    import polars as pl
 
 #: Packages whose versions go into provenance.json.
 TRACKED_PACKAGES = (
@@ -50,7 +51,7 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
             tmp_path.unlink()
 
 
-def write_parquet(df: pl.DataFrame, target: str | os.PathLike) -> None:
+def write_parquet(df: "pl.DataFrame", target: str | os.PathLike) -> None:
     """Write a parquet file atomically. Statistics are off so equal frames give equal bytes."""
     with atomic_path(target) as tmp:
         df.write_parquet(tmp, statistics=False, compression="zstd")

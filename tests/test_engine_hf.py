@@ -174,3 +174,19 @@ def test_invariant_mode_makes_all_passes_bitwise_identical(smollm2_dir, tmp_path
     assert_all_identical(agreement)
     assert passes["exact"]["next_digest"].equals(passes["refeed"]["next_digest"])
     assert all(max(d) == 0.0 for d in passes["refeed"]["kv_maxdiff"] if d is not None)
+
+
+def test_refeed_text_pass_retokenizes_the_prefix_text(stock):
+    engine, frame, pivots, out = stock
+    requests = replay.build_requests(pivots, frame, pass_name="refeed_text", k=1, seed=SEED, config_name="t",
+                                     tokenizer=engine.tokenizer)
+    for req in requests:
+        assert req.text_prefix_ids is not None
+        decode = engine.tokenizer.decode
+        assert decode(list(req.text_prefix_ids)) == decode(list(req.prefix_ids))
+    rows = run(engine, frame, pivots, "refeed_text", out)
+    assert rows.height == 2 * K * pivots.height
+    assert (rows["prefix_source"] == "refeed_text").all()
+    # common random numbers: same seeds as the other passes
+    exact = run(engine, frame, pivots, "exact", out / "again")
+    assert rows.sort("pivot_id", "branch", "k")["seed"].equals(exact["seed"])

@@ -64,10 +64,11 @@ class HFEngine:
     # ----------------------------------------------------------------------------------------- forwards
     @torch.inference_mode()
     def _step(self, ids: torch.Tensor, cache: DynamicCache, **kwargs) -> torch.Tensor:
-        """One forward; returns float32 logits of the last position of every row."""
+        """One forward; returns float32 logits of the last position of every row, on the CPU, where sampling
+        noise, digests and top-k are computed whatever the device."""
         out = self.model(input_ids=ids.to(self.device), past_key_values=cache, use_cache=True,
                          logits_to_keep=1, **kwargs)
-        return out.logits[:, -1, :].to(torch.float32)
+        return out.logits[:, -1, :].to(torch.float32).cpu()
 
     def _prefill(self, ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
         """KV and last logits of a prompt: one forward in stock mode, one forward per token in invariant mode."""
@@ -135,7 +136,7 @@ class HFEngine:
 
     def _stored_layers(self, kv_file: str, expected_sha256: str | None = None) -> KVLayers:
         if kv_file not in self._files:
-            self._files[kv_file] = load_kv(kv_file, expected_sha256)
+            self._files[kv_file] = load_kv(kv_file, expected_sha256, device=self.device)
             if len(self._files) > 8:
                 self._files.popitem(last=False)
         return self._files[kv_file]

@@ -11,6 +11,7 @@ rule compare_passes:
             subcategory="{config}",
         ),
     params:
+        code=code_version("analysis", "provenance"),
         passes=RUN_PASSES,
         analysis=config["analysis"],
         seed=config["seed"],
@@ -30,6 +31,7 @@ rule compare_pooled:
     output:
         "results/analysis/pooled/comparison.json",
     params:
+        code=code_version("analysis", "provenance"),
         analysis=config["analysis"],
         seed=config["seed"],
         configs=CONFIGS,
@@ -52,6 +54,7 @@ rule headline_tables:
         md="results/tables/headline.md",
         tex="results/tables/headline.tex",
     params:
+        code=code_version("analysis", "tables", "provenance"),
         configs=CONFIGS,
         analysis_hash=ANALYSIS_HASH,
     log:

@@ -32,7 +32,7 @@ wildcard_constraints:
 def dataset_name():
     """The problems file is named after the packaged dataset, or after the user's file."""
     ds = config["dataset"]
-    return ds["source"] if ds["source"] != "file" else "file-" + Path(ds["path"]).stem
+    return ds["source"] if ds["source"] != "file" else f"file-{Path(ds['path']).stem}"
 
 
 def model_key(name):
@@ -67,3 +67,47 @@ def credit_file(config_name, pass_name):
 
 def all_credit(wildcards=None):
     return [credit_file(c, p) for c in CONFIGS for p in RUN_PASSES]
+
+
+FIGURES_FROM_COMPARISONS = ["disagreement", "kinds_of_change", "jaccard_sweep"]
+FIGURES_FROM_CREDIT = ["diff_histogram", "disagreement_vs_margin"]
+
+
+def figure_outputs(name):
+    return {
+        "png": report(
+            f"results/figures/{name}.png",
+            caption=f"../report/{name}.rst",
+            category="Figures",
+        ),
+        "pdf": f"results/figures/{name}.pdf",
+    }
+
+
+def manifest_inputs(wildcards=None):
+    """Every output of the DAG, so the manifest covers exactly this configuration's results."""
+    files = [problems_file()]
+    files += sorted({f"results/models/{model_key(c)}" for c in CONFIGS})
+    for c in CONFIGS:
+        files += [f"results/rollouts/{c}/rollouts.parquet", f"results/rollouts/{c}/kv", f"results/pivots/{c}.parquet"]
+        files += [pass_file(c, p) for p in RUN_PASSES] + [credit_file(c, p) for p in RUN_PASSES]
+        files += [f"results/analysis/{c}/comparison.json", f"results/analysis/{c}/channels.csv"]
+    files += ["results/analysis/pooled/comparison.json"]
+    files += [f"results/tables/headline.{ext}" for ext in ("csv", "md", "tex")]
+    files += rules.figures.input
+    return files
+
+
+def code_version(*modules):
+    """A digest of the library modules a step runs, as a param: editing one reruns exactly the steps using it.
+
+    (Snakemake tracks a rule's script, not the modules the script imports.)
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in modules:
+        base = Path(workflow.basedir) / "replaynoise" / name
+        for path in sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]:
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]

@@ -5,6 +5,7 @@ rule compute_credit:
     output:
         "results/credit/{config}/{pass_name}.parquet",
     params:
+        code=code_version("credit"),
         k=config["replay"]["k"],
     log:
         f"{LOGS}/compute_credit/{{config}}.{{pass_name}}.log",

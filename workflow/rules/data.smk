@@ -2,6 +2,7 @@ rule sample_problems:
     output:
         "results/problems/{dataset}.parquet",
     params:
+        code=code_version("data", "provenance"),
         source=config["dataset"]["source"],
         path=config["dataset"]["path"],
         n=config["dataset"]["n_problems"],

@@ -1,19 +1,4 @@
 # Each figure is its own rule, so a figure setting reruns only the figures that use it.
-FIGURES_FROM_COMPARISONS = ["disagreement", "kinds_of_change", "jaccard_sweep"]
-FIGURES_FROM_CREDIT = ["diff_histogram", "disagreement_vs_margin"]
-
-
-def figure_outputs(name):
-    return {
-        "png": report(
-            f"results/figures/{name}.png",
-            caption=f"../report/{name}.rst",
-            category="Figures",
-        ),
-        "pdf": f"results/figures/{name}.pdf",
-    }
-
-
 for _fig in FIGURES_FROM_COMPARISONS:
 
     rule:
@@ -24,6 +9,7 @@ for _fig in FIGURES_FROM_COMPARISONS:
         output:
             **figure_outputs(_fig),
         params:
+            code=code_version("figures", "analysis", "provenance"),
             figure=_fig,
             configs=CONFIGS,
             conditioning=config["figures"]["conditioning"],
@@ -45,6 +31,7 @@ for _fig in FIGURES_FROM_CREDIT:
         output:
             **figure_outputs(_fig),
         params:
+            code=code_version("figures", "analysis", "provenance"),
             figure=_fig,
             configs=CONFIGS,
             passes=RUN_PASSES,

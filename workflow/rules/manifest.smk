@@ -1,17 +1,3 @@
-def manifest_inputs(wildcards=None):
-    """Every output of the DAG, so the manifest covers exactly this configuration's results."""
-    files = [problems_file()]
-    files += sorted({f"results/models/{model_key(c)}" for c in CONFIGS})
-    for c in CONFIGS:
-        files += [f"results/rollouts/{c}/rollouts.parquet", f"results/rollouts/{c}/kv", f"results/pivots/{c}.parquet"]
-        files += [pass_file(c, p) for p in RUN_PASSES] + [credit_file(c, p) for p in RUN_PASSES]
-        files += [f"results/analysis/{c}/comparison.json", f"results/analysis/{c}/channels.csv"]
-    files += ["results/analysis/pooled/comparison.json"]
-    files += [f"results/tables/headline.{ext}" for ext in ("csv", "md", "tex")]
-    files += rules.figures.input
-    return files
-
-
 rule manifest:
     input:
         manifest_inputs,
@@ -19,6 +5,7 @@ rule manifest:
         manifest="results/MANIFEST.sha256",
         provenance="results/provenance.json",
     params:
+        code=code_version("provenance", "config"),
         config=config,
         analysis_hash=ANALYSIS_HASH,
         repo=workflow.basedir,

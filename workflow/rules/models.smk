@@ -2,6 +2,7 @@ rule prepare_model:
     output:
         directory("results/models/{model_key}"),
     params:
+        code=code_version("models", "data", "provenance"),
         spec=lambda w: MODEL_KEYS[w.model_key]["model"],
         dtype=lambda w: MODEL_KEYS[w.model_key]["dtype"],
         cache=PACKAGE_DIR,

@@ -4,6 +4,7 @@ rule select_pivots:
     output:
         "results/pivots/{config}.parquet",
     params:
+        code=code_version("pivots", "seeds"),
         pivots=config["pivots"],
         seed=config["seed"],
     log:

@@ -13,6 +13,7 @@ for _pass in RUN_PASSES:
         output:
             pass_file("{config}", _pass),
         params:
+            code=code_version("replay", "engines", "data", "seeds", "models", "provenance"),
             pass_name=_pass,
             settings=settings,
             seed=config["seed"],

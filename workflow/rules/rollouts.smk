@@ -6,6 +6,7 @@ rule generate_rollouts:
         rollouts="results/rollouts/{config}/rollouts.parquet",
         kv=directory("results/rollouts/{config}/kv"),
     params:
+        code=code_version("rollouts", "engines", "pivots", "data", "seeds", "models", "provenance"),
         settings=settings,
         seed=config["seed"],
         prompt=config["prompt"],

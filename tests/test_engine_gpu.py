@@ -1,0 +1,76 @@
+"""The HF engine on a CUDA device: exact resume, the re-feed effect and invariant mode on GPU kernels.
+
+No weights can be downloaded onto a GPU machine here, so the model is a Llama of a real shape with random
+weights built on the device; the claims tested are about numerics, which random weights exercise as well.
+Skipped where no CUDA device is present (CI never has one).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
+from replaynoise.engines.hf import HFEngine
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=24)
+VOCAB = 8192
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
+                         eos_token_id=VOCAB - 1, bos_token_id=0)
+    return LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+
+
+def engine(model, kernels):
+    tokenizer = SimpleNamespace(eos_token_id=VOCAB - 1)  # the engine reads only the end-of-sequence id
+    return HFEngine(model, tokenizer, kernels=kernels)
+
+
+def rollout_and_requests(eng, tmp_path, k=3):
+    prompt = tuple(int(i) for i in torch.randint(1, VOCAB - 1, (64,), generator=torch.Generator().manual_seed(1)))
+    (r,) = eng.generate_rollouts([RolloutRequest("p", prompt, 5)], SAMPLING, tmp_path,
+                                 lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1)
+    requests = []
+    for t in range(2, len(r.response_ids) - 1, 5):
+        for branch, token in (("orig", r.response_ids[t]), ("sub", r.topk_ids[t][1])):
+            for j in range(k):
+                requests.append(ContinuationRequest(f"p@{t}", branch, j, 1000 * t + 10 * j + len(branch),
+                                                    tuple(r.prompt_ids + r.response_ids[:t]), token, r.kv_file,
+                                                    r.kv_sha256, r.logits_digests[t]))
+    return r, requests
+
+
+def test_exact_resume_is_bitwise_on_gpu_and_refeed_is_not(model, tmp_path):
+    eng = engine(model, "stock")
+    _, requests = rollout_and_requests(eng, tmp_path)
+    exact = [eng.prefix_state(r, "decode_kv") for r in requests]
+    assert all(s.verified for s in exact)
+    refeed = [eng.prefix_state(r, "refeed_ids") for r in requests]
+    assert any(max(s.kv_maxdiff) > 0 for s in refeed)
+    a = eng.run_batch(requests, "decode_kv", SAMPLING)
+    b = eng.run_batch(requests, "refeed_ids", SAMPLING)
+    assert any(x.next_digest != y.next_digest for x, y in zip(a, b))
+
+
+def test_invariant_mode_is_bitwise_identical_across_passes_on_gpu(model, tmp_path):
+    eng = engine(model, "invariant")
+    _, requests = rollout_and_requests(eng, tmp_path, k=2)
+    exact = eng.run_batch(requests, "decode_kv", SAMPLING)
+    replica = eng.run_batch(list(reversed(requests)), "decode_kv", SAMPLING)[::-1]
+    refeed = eng.run_batch(requests, "refeed_ids", SAMPLING)
+    for x, y, z in zip(exact, replica, refeed):
+        assert x.verified
+        assert x.token_ids == y.token_ids == z.token_ids
+        assert x.next_digest == y.next_digest == z.next_digest
+    assert all(max(r.kv_maxdiff) == 0.0 for r in refeed)
