@@ -98,7 +98,7 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
     progress = TokenProgress(len(requests), f"{pass_name} {config_name}", initial=rows_done)
     golds = dict(zip(rollouts["problem_id"], rollouts["gold"]))
     pivot_problem = dict(zip(pivots["pivot_id"], pivots["problem_id"]))
-    response_prefix = {p["pivot_id"]: p for p in pivots.iter_rows(named=True)}
+    pivot_t = dict(zip(pivots["pivot_id"], pivots["t"]))
 
     for batch_id, rows in enumerate(batches):
         if batch_id in done:
@@ -107,7 +107,7 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
         results = engine.run_batch(batch, spec.source, sampling)
         records = []
         for req, res in zip(batch, results):
-            prompt_len = len(req.prefix_ids) - response_prefix[req.pivot_id]["t"]
+            prompt_len = len(req.prefix_ids) - pivot_t[req.pivot_id]
             response = list(req.prefix_ids[prompt_len:]) + [req.branch_token] + res.token_ids
             text = engine.tokenizer.decode(response, skip_special_tokens=True)
             answer = extract_answer(text)

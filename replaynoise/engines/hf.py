@@ -56,7 +56,6 @@ class HFEngine:
         self.invariant = kernels == "invariant"
         self.topk = topk
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.pad_id = next(iter(sorted(self.eos_ids)))
         self._states: OrderedDict[tuple, PrefixState] = OrderedDict()
         self._files: OrderedDict[str, KVLayers] = OrderedDict()
         self._state_cache_size = prefix_cache_size
