@@ -190,3 +190,16 @@ def test_refeed_text_pass_retokenizes_the_prefix_text(stock):
     # common random numbers: same seeds as the other passes
     exact = run(engine, frame, pivots, "exact", out / "again")
     assert rows.sort("pivot_id", "branch", "k")["seed"].equals(exact["seed"])
+
+
+def test_equal_caches_give_byte_identical_kv_files(stock, tmp_path):
+    """The manifest compares runs by checksum, so a stored cache must not carry run-to-run noise
+    (safetensors writes metadata in hash-map order, which changes from one save to the next)."""
+    _, frame, _, _ = stock
+    layers = load_kv(frame.filter(pl.col("kv_file").is_not_null())["kv_file"][0])
+    copies = set()
+    for i in range(16):
+        out = tmp_path / f"copy{i}.safetensors"
+        save_kv(layers, layers[0][0].shape[-2], out)
+        copies.add(out.read_bytes())
+    assert len(copies) == 1

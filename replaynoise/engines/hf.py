@@ -253,7 +253,9 @@ def save_kv(layers: KVLayers, keep: int, path: Path) -> str:
         tensors[f"k.{i}"] = k[..., :keep, :].contiguous().cpu()
         tensors[f"v.{i}"] = v[..., :keep, :].contiguous().cpu()
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"positions": str(keep), "format": "replaynoise-kv-1"})
+        # One metadata key only: safetensors writes metadata in hash-map order, so several keys would make
+        # equal caches give different bytes (and different checksums) from run to run.
+        save_file(tensors, str(tmp), metadata={"replaynoise-kv": f"format=1;positions={keep}"})
     return sha256_file(path)
 
 
