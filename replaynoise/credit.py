@@ -102,3 +102,11 @@ def compute_credit(pass_df: pl.DataFrame, pivots_df: pl.DataFrame, k: int, pass_
         .otherwise(None).alias("a_hat"),
     )
     return out.select(CREDIT_COLUMNS)
+
+
+def read_credit_grid(files: list[str], configs: list[str], passes: list[str]) -> dict[str, dict[str, pl.DataFrame]]:
+    """Credit frames as config -> pass -> frame, from files listed config-major, pass-minor (as the rules do)."""
+    if len(files) != len(configs) * len(passes):
+        raise ValueError(f"expected {len(configs) * len(passes)} credit files, got {len(files)}")
+    it = iter(files)
+    return {c: {p: pl.read_parquet(next(it)) for p in passes} for c in configs}

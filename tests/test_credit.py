@@ -77,3 +77,19 @@ def test_malformed_pass_frames_are_refused(mutate, message) -> None:
     rows = continuation_rows("a", 1, 1)
     with pytest.raises(ValueError, match=message):
         compute_credit(pass_frame(mutate(rows)), pivots_frame(["a"]), K, "exact")
+
+
+def test_credit_grid_reads_files_config_major(tmp_path) -> None:
+    from replaynoise.credit import read_credit_grid
+
+    files = []
+    for c in ("a", "b"):
+        for p in ("exact", "refeed"):
+            path = tmp_path / f"{c}-{p}.parquet"
+            pl.DataFrame({"tag": [f"{c}/{p}"]}).write_parquet(path)
+            files.append(str(path))
+    grid = read_credit_grid(files, ["a", "b"], ["exact", "refeed"])
+    assert {c: {p: df["tag"][0] for p, df in passes.items()} for c, passes in grid.items()} == {
+        "a": {"exact": "a/exact", "refeed": "a/refeed"}, "b": {"exact": "b/exact", "refeed": "b/refeed"}}
+    with pytest.raises(ValueError, match="expected 4 credit files, got 3"):
+        read_credit_grid(files[:3], ["a", "b"], ["exact", "refeed"])

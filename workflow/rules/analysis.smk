@@ -11,7 +11,7 @@ rule compare_passes:
             subcategory="{config}",
         ),
     params:
-        code=code_version("analysis", "provenance"),
+        code=code_version("analysis", "credit", "provenance"),
         passes=RUN_PASSES,
         analysis=config["analysis"],
         seed=config["seed"],
@@ -31,7 +31,7 @@ rule compare_pooled:
     output:
         "results/analysis/pooled/comparison.json",
     params:
-        code=code_version("analysis", "provenance"),
+        code=code_version("analysis", "credit", "provenance"),
         analysis=config["analysis"],
         seed=config["seed"],
         configs=CONFIGS,

@@ -9,7 +9,7 @@ for _fig in FIGURES_FROM_COMPARISONS:
         output:
             **figure_outputs(_fig),
         params:
-            code=code_version("figures", "analysis", "provenance"),
+            code=code_version("figures", "analysis", "credit", "provenance"),
             figure=_fig,
             configs=CONFIGS,
             conditioning=config["figures"]["conditioning"],
@@ -31,7 +31,7 @@ for _fig in FIGURES_FROM_CREDIT:
         output:
             **figure_outputs(_fig),
         params:
-            code=code_version("figures", "analysis", "provenance"),
+            code=code_version("figures", "analysis", "credit", "provenance"),
             figure=_fig,
             configs=CONFIGS,
             passes=RUN_PASSES,

@@ -6,17 +6,15 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parents[1]))
 from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
-import polars as pl  # noqa: E402
-
 from replaynoise import figures  # noqa: E402
+from replaynoise.credit import read_credit_grid  # noqa: E402
 
 p, out = snakemake.params, snakemake.output
 plot = getattr(figures, f"plot_{p.figure}")
 if "comparisons" in snakemake.input.keys():
     data = {c: json.loads(Path(f).read_text()) for c, f in zip(p.configs, snakemake.input.comparisons)}
 else:
-    files = iter(snakemake.input.credit)  # config-major, pass-minor (common.smk all_credit)
-    data = {c: {name: pl.read_parquet(next(files)) for name in p.passes} for c in p.configs}
+    data = read_credit_grid(list(snakemake.input.credit), p.configs, p.passes)
 bins = getattr(p, "margin_bins", None)
 extra = {"n_bins": bins} if bins is not None else {}
 plot(data, out.png, out.pdf, conditioning=p.conditioning, **extra)
