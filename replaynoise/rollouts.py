@@ -54,10 +54,10 @@ def answer_token_span(tokenizer, response_ids: list[int]) -> tuple[int, int] | N
     return (tokens[0], tokens[-1] + 1) if tokens else None
 
 
-def rollout_record(rollout: Rollout, tokenizer, gold: str) -> dict:
+def rollout_record(rollout: Rollout, tokenizer, gold: str, span: tuple[int, int] | None) -> dict:
+    """One rollouts.parquet row; ``span`` is the final-answer span (``answer_token_span``)."""
     text = tokenizer.decode(rollout.response_ids, skip_special_tokens=True)
     answer = extract_answer(text)
-    span = answer_token_span(tokenizer, rollout.response_ids)
     return {
         "problem_id": rollout.problem_id, "prompt_ids": rollout.prompt_ids, "response_ids": rollout.response_ids,
         "topk_ids": rollout.topk_ids, "topk_logprobs": rollout.topk_logprobs,
@@ -85,13 +85,16 @@ def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: 
         request = RolloutRequest(row["problem_id"], tuple(prompt_ids(tokenizer, row["question"], style, instruction)),
                                  derive_seed(seed, config_name, "rollout", row["problem_id"]))
 
+        spans = {}  # the answer span, computed once: keep_len needs it before the record does
+
         def keep_len(r: Rollout) -> int:
-            span = answer_token_span(tokenizer, r.response_ids)
+            span = spans[r.problem_id] = answer_token_span(tokenizer, r.response_ids)
             cands = candidate_positions(r.response_ids, r.topk_ids, r.topk_logprobs, special, span, max_margin)
             return len(r.prompt_ids) + max(cands) if cands else 0
 
         (rollout,) = engine.generate_rollouts([request], sampling, work_kv, keep_len)
-        record = rollout_record(rollout, tokenizer, row["gold"])
+        span = spans.get(rollout.problem_id) or answer_token_span(tokenizer, rollout.response_ids)
+        record = rollout_record(rollout, tokenizer, row["gold"], span)
         if record["kv_file"]:
             record["kv_file"] = str(Path(kv_dir) / Path(record["kv_file"]).name)
         write_parquet(pl.DataFrame([record]), parts / f"{row['problem_id']}.parquet")
