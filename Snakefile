@@ -19,10 +19,13 @@ include: "workflow/rules/credit.smk"
 include: "workflow/rules/analysis.smk"
 include: "workflow/rules/figures.smk"
 include: "workflow/rules/manifest.smk"
+include: "workflow/rules/cost.smk"
 
 
 rule all:
     default_target: True
+    localrule: True
     input:
         "results/MANIFEST.sha256",
         "results/provenance.json",
+        "results/cost/cost.md",

@@ -88,7 +88,7 @@ def _leaf_errors(errors: list[jsonschema.ValidationError]) -> list[jsonschema.Va
 
 def _check_semantics(config: dict) -> None:
     """Checks JSON Schema cannot express: files that must exist, models that must resolve."""
-    from replaynoise.models import resolve_model_spec
+    from replaynoise.models import check_local_model_dir, resolve_model_spec
 
     dataset = config["dataset"]
     if dataset["source"] == "file":
@@ -98,9 +98,25 @@ def _check_semantics(config: dict) -> None:
             raise ConfigError(f"config key dataset.path: file not found: {dataset['path']}")
     for name, settings in config["configs"].items():
         try:
-            resolve_model_spec(settings["model"])
+            kind, source = resolve_model_spec(settings["model"])
+            if kind == "local":
+                check_local_model_dir(source)
         except ValueError as exc:
             raise ConfigError(f"config key configs.{name}.model: {exc}") from None
+        _check_engine(name, settings)
+
+
+def _check_engine(name: str, settings: dict) -> None:
+    """Engine/platform combinations that can be refused from the configuration alone (parse time)."""
+    if settings["engine"] != "vllm":
+        return
+    if settings["device"] == "cpu" and settings["block_size"] % 32:
+        raise ConfigError(f"config key configs.{name}.block_size: {settings['block_size']} is not a multiple of "
+                          "32, which vLLM's CPU attention backend needs")
+    if settings["device"] == "cpu" and settings["kernels"] == "invariant":
+        raise ConfigError(f"config key configs.{name}.kernels: 'invariant' with engine vllm needs an NVIDIA GPU "
+                          "of compute capability >= 8.0 (VLLM_BATCH_INVARIANT); device is 'cpu', where vLLM has "
+                          "no batch-invariant kernels. Use kernels: stock, or engine: hf")
 
 
 def protocol_settings(config: dict) -> dict:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from replaynoise.provenance import read_parquet
+
 BRANCHES = ("orig", "sub")
 
 #: Columns of the frame ``compute_credit`` returns, in order.
@@ -109,4 +111,4 @@ def read_credit_grid(files: list[str], configs: list[str], passes: list[str]) ->
     if len(files) != len(configs) * len(passes):
         raise ValueError(f"expected {len(configs) * len(passes)} credit files, got {len(files)}")
     it = iter(files)
-    return {c: {p: pl.read_parquet(next(it)) for p in passes} for c in configs}
+    return {c: {p: read_parquet(next(it)) for p in passes} for c in configs}

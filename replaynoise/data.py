@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from replaynoise.provenance import ChecksumError, atomic_path, check_sha256, write_parquet
+from replaynoise.provenance import ChecksumError, atomic_path, check_sha256, read_parquet, write_parquet
 
 # ----------------------------------------------------------------------------------------------------------
 # Fetching pinned wheels
@@ -37,6 +37,10 @@ from replaynoise.provenance import ChecksumError, atomic_path, check_sha256, wri
 
 #: How much of pip's stderr goes into an error message: enough for the real cause, not the whole log.
 PIP_STDERR_TAIL = 2000
+
+
+#: Set to 1 to forbid the one network access the pipeline makes: pip's download of a pinned wheel not yet cached.
+OFFLINE_ENV = "REPLAYNOISE_OFFLINE"
 
 
 def _normalise_dist(name: str) -> str:
@@ -88,6 +92,9 @@ def fetch_package_wheel(name: str, version: str, sha256: str, cache_dir: Path) -
     if cached:
         check_sha256(cached[0], sha256)
         return cached[0]
+    if os.environ.get(OFFLINE_ENV, "") not in ("", "0"):
+        raise RuntimeError(f"{name}=={version} is not in {cache_dir} and {OFFLINE_ENV} forbids downloading it; "
+                           f"put the wheel (sha256 {sha256}) there, or unset {OFFLINE_ENV}")
     tmp = Path(tempfile.mkdtemp(prefix=".pip-download-", dir=cache_dir))
     try:
         wheel = _pip_download(name, version, tmp)
@@ -422,7 +429,7 @@ def _read_jsonl(path: Path) -> list[Record]:
 
 
 def _read_parquet(path: Path) -> list[Record]:
-    rows = pl.read_parquet(path).to_dicts()
+    rows = read_parquet(path).to_dicts()
     return [(f"{path}: row {i}", row) for i, row in enumerate(rows)]
 
 

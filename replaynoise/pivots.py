@@ -4,6 +4,10 @@ A candidate is a response position t >= 1 whose untempered top-1 minus top-2 pro
 ``max_margin``, where the sampled token is one of the top two, neither top-2 token is special, and t lies
 outside the final-answer span. (t = 0 is excluded because its state comes from the prompt prefill alone, so
 there is no decode step whose logits could verify it.)
+
+With ``align_block`` = B > 0 (``pivots.align_to_block``), only positions whose prefix (prompt + response[:t])
+fills whole KV blocks of B tokens are kept: a block-cache engine (vLLM) then serves the entire prefix from
+decode-time blocks, with no tail recomputed by prefill (tail = (prompt_len + t) % B).
 """
 
 from __future__ import annotations
@@ -54,14 +58,20 @@ def choose_pivots(candidates: list[int], margin_of: list[float], per_rollout: in
     return sorted(int(t) for t in rng.choice(candidates, size=per_rollout, replace=False))
 
 
+def aligned(candidates: list[int], prompt_len: int, block: int) -> list[int]:
+    """The candidates whose prefix ends on a block boundary (all of them when ``block`` is 0)."""
+    return [t for t in candidates if (prompt_len + t) % block == 0] if block else list(candidates)
+
+
 def select_pivots(rollouts: pl.DataFrame, *, max_margin: float, per_rollout: int, choose: str, seed: int,
-                  config_name: str) -> pl.DataFrame:
+                  config_name: str, align_block: int = 0) -> pl.DataFrame:
     """One row per chosen pivot, with the pair of branch tokens and the pre-treatment features."""
     rows = []
     for r in rollouts.iter_rows(named=True):
         marg = margins(r["topk_logprobs"])
         cands = candidate_positions(r["response_ids"], r["topk_ids"], r["topk_logprobs"], set(r["special_ids"]),
                                     tuple(r["answer_span"]) if r["answer_span"] else None, max_margin)
+        cands = aligned(cands, len(r["prompt_ids"]), align_block)
         chosen = choose_pivots(cands, marg, per_rollout, choose, derive_seed(seed, config_name, "pivots",
                                                                               r["problem_id"]))
         for t in chosen:

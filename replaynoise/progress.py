@@ -12,6 +12,9 @@ class TokenProgress:
     """Counts rows done and tokens produced; the engine calls it with the tokens of each finished unit."""
 
     def __init__(self, total_rows: int, desc: str, initial: int = 0) -> None:
+        if initial:
+            # Said plainly in the log: a rerun after an interruption continues, it does not start again.
+            print(f"{desc}: resuming, {initial} of {total_rows} rows kept from an interrupted run", file=sys.stderr)
         self.bar = tqdm(total=total_rows, initial=initial, desc=desc, unit="row", file=sys.stderr,
                         mininterval=2.0, dynamic_ncols=False, ncols=100)
         self.tokens = 0

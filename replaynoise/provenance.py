@@ -7,10 +7,12 @@ step never leaves a file that a rerun would mistake for finished work.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -38,6 +40,7 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``target``; rename it onto ``target`` only if the block succeeds."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp_path = Path(tmp)
@@ -51,10 +54,55 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
             tmp_path.unlink()
 
 
+def remove_stale_temporaries(target: Path) -> None:
+    """Delete temporary files a killed writer of ``target`` left behind.
+
+    SIGKILL skips the ``finally`` below, so a killed step can leave ``.NAME.XXXXXXXX.tmp`` beside its target.
+    Snakemake never runs two jobs with the same output, so when the target is written again any such file
+    is an orphan, and removing it keeps ``results/`` free of debris that would outlive the rerun.
+    """
+    pattern = re.compile(re.escape(f".{target.name}.") + r"[A-Za-z0-9_]{8}\.tmp")
+    for sibling in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        if pattern.fullmatch(sibling.name):
+            with contextlib.suppress(FileNotFoundError):
+                sibling.unlink()
+
+
 def write_parquet(df: "pl.DataFrame", target: str | os.PathLike) -> None:
     """Write a parquet file atomically. Statistics are off so equal frames give equal bytes."""
     with atomic_path(target) as tmp:
         df.write_parquet(tmp, statistics=False, compression="zstd")
+
+
+class UnreadableFileError(RuntimeError):
+    """An input file exists but cannot be read (truncated, corrupt); the message names it."""
+
+
+def read_parquet(path: str | os.PathLike, **kwargs: Any) -> "pl.DataFrame":
+    """Read a parquet file; a truncated or corrupt one raises an error naming the file, not a bare decoder error."""
+    import polars as pl
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return pl.read_parquet(path, **kwargs)
+    except (pl.exceptions.PolarsError, OSError) as exc:
+        raise UnreadableFileError(
+            f"{path}: not a readable parquet file, truncated or corrupt ({type(exc).__name__}: {exc}); "
+            "delete it and rerun the step that writes it") from None
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file; a truncated or corrupt one raises an error naming the file."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UnreadableFileError(f"{path}: not readable JSON, truncated or corrupt ({exc}); "
+                                  "delete it and rerun the step that writes it") from None
 
 
 def write_json(obj: Any, target: str | os.PathLike) -> None:

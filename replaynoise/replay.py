@@ -9,6 +9,7 @@ result is the same as an uninterrupted one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from replaynoise.engines.base import ContinuationRequest, Engine, SamplingSettin
 from replaynoise.seeds import derive_seed
 from replaynoise.progress import TokenProgress
 from replaynoise.provenance import write_parquet
+from replaynoise.shards import batch_range
 
 BRANCHES = ("orig", "sub")
 
@@ -52,14 +54,42 @@ def schedule_seed(seed: int, config_name: str, pass_name: str) -> int:
     return derive_seed(seed, config_name, "schedule", pass_name)
 
 
+def kv_locations(kv_dirs: Sequence[Path]) -> dict[str, str]:
+    """Where each stored KV file is, by file name, across the rollout shards' folders.
+
+    Hidden files (Snakemake's ``.snakemake_timestamp`` in every directory output) are not KV files.
+    """
+    found: dict[str, str] = {}
+    for folder in kv_dirs:
+        for path in sorted(Path(folder).iterdir()):
+            if path.name.startswith("."):
+                continue
+            if path.name in found:
+                raise ValueError(f"KV file {path.name} is in two shard folders: {found[path.name]} and {path}")
+            found[path.name] = str(path)
+    return found
+
+
 def build_requests(pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: str, k: int, seed: int,
-                   config_name: str, tokenizer=None) -> list[ContinuationRequest]:
-    """2 branches x K requests per pivot, in pivot order; identical across passes but for the noise stream."""
+                   config_name: str, tokenizer=None, kv_dirs: Sequence[Path] | None = None
+                   ) -> list[ContinuationRequest]:
+    """2 branches x K requests per pivot, in pivot order; identical across passes but for the noise stream.
+
+    With ``kv_dirs`` (the rollout shards' KV folders) the rollouts' ``kv_file`` is a file name looked up there,
+    as in the gathered rollouts table; without, it is used as a path.
+    """
     spec = PASSES[pass_name]
     by_problem = {r["problem_id"]: r for r in rollouts.iter_rows(named=True)}
+    located = kv_locations(kv_dirs) if kv_dirs is not None else None
     requests = []
     for p in pivots.iter_rows(named=True):
         r = by_problem[p["problem_id"]]
+        kv_file = r["kv_file"]
+        if located is not None and kv_file is not None:
+            if kv_file not in located:
+                raise FileNotFoundError(f"KV file {kv_file} of problem {p['problem_id']} is in none of the rollout "
+                                        f"shard folders {[str(d) for d in kv_dirs]}")
+            kv_file = located[kv_file]
         prefix = tuple(r["prompt_ids"] + r["response_ids"][: p["t"]])
         text_ids = None
         if spec.source == "refeed_text":
@@ -72,7 +102,7 @@ def build_requests(pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: s
                 requests.append(ContinuationRequest(
                     pivot_id=p["pivot_id"], branch=branch, k=j,
                     seed=continuation_seed(seed, config_name, p["pivot_id"], branch, j, spec.noise),
-                    prefix_ids=prefix, branch_token=int(token), kv_file=r["kv_file"], kv_sha256=r["kv_sha256"],
+                    prefix_ids=prefix, branch_token=int(token), kv_file=kv_file, kv_sha256=r["kv_sha256"],
                     expected_digest=r["logits_digests"][p["t"]], text_prefix_ids=text_ids))
     return requests
 
@@ -84,23 +114,30 @@ def make_schedule(n_rows: int, batch_size: int, seed: int) -> list[list[int]]:
 
 
 def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: str, config_name: str,
-             seed: int, k: int, sampling: SamplingSettings, batch_size: int, work_dir: Path) -> pl.DataFrame:
-    """Run (or resume) one pass; returns one graded row per continuation."""
+             seed: int, k: int, sampling: SamplingSettings, batch_size: int, work_dir: Path,
+             shard: tuple[int, int] = (0, 1), kv_dirs: Sequence[Path] | None = None) -> pl.DataFrame:
+    """Run (or resume) one pass, or shard ``(index, count)`` of it; returns one graded row per continuation.
+
+    The schedule is always that of the whole pass (``replaynoise.shards``), so sharding never changes a batch.
+    """
     spec = PASSES[pass_name]
     requests = build_requests(pivots, rollouts, pass_name=pass_name, k=k, seed=seed, config_name=config_name,
-                              tokenizer=engine.tokenizer)
+                              tokenizer=engine.tokenizer, kv_dirs=kv_dirs)
     sched_seed = schedule_seed(seed, config_name, pass_name)
-    batches = make_schedule(len(requests), batch_size, sched_seed)
+    all_batches = make_schedule(len(requests), batch_size, sched_seed)
+    mine = batch_range(shard[0], shard[1], len(all_batches))
+    batches = {b: all_batches[b] for b in mine}
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     done = {int(p.stem.split("_")[1]) for p in work_dir.glob("batch_*.parquet")}
-    rows_done = sum(len(batches[b]) for b in done if b < len(batches))
-    progress = TokenProgress(len(requests), f"{pass_name} {config_name}", initial=rows_done)
+    rows_done = sum(len(rows) for b, rows in batches.items() if b in done)
+    label = f"{pass_name} {config_name}" + (f" shard {shard[0] + 1}/{shard[1]}" if shard[1] > 1 else "")
+    progress = TokenProgress(sum(len(rows) for rows in batches.values()), label, initial=rows_done)
     golds = dict(zip(rollouts["problem_id"], rollouts["gold"]))
     pivot_problem = dict(zip(pivots["pivot_id"], pivots["problem_id"]))
     pivot_t = dict(zip(pivots["pivot_id"], pivots["t"]))
 
-    for batch_id, rows in enumerate(batches):
+    for batch_id, rows in batches.items():
         if batch_id in done:
             continue
         batch = [requests[i] for i in rows]
@@ -120,12 +157,19 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
                 "finish_reason": res.finish_reason, "n_tokens": len(res.token_ids),
                 "next_topk_ids": res.next_topk_ids, "next_topk_logprobs": res.next_topk_logprobs,
                 "next_digest": res.next_digest, "kv_maxdiff": res.kv_maxdiff,
+                "cached_tokens": res.cached_tokens, "expected_cached_tokens": res.expected_cached_tokens,
+                "tail_tokens": None if res.cached_tokens is None else res.prefix_len - res.cached_tokens,
             })
         write_parquet(pl.DataFrame(records, schema=PASS_SCHEMA), work_dir / f"batch_{batch_id:05d}.parquet")
         progress.rows(len(batch), sum(len(r.token_ids) for r in results))
     progress.close()
-    parts = [pl.read_parquet(work_dir / f"batch_{b:05d}.parquet") for b in range(len(batches))]
-    frame = pl.concat(parts) if parts else pl.DataFrame(schema=PASS_SCHEMA)
+    parts = [pl.read_parquet(work_dir / f"batch_{b:05d}.parquet") for b in batches]
+    return gather(parts)
+
+
+def gather(shards: list[pl.DataFrame]) -> pl.DataFrame:
+    """One pass table from its shards (or batches), in the canonical row order, whatever the split."""
+    frame = pl.concat(shards) if shards else pl.DataFrame(schema=PASS_SCHEMA)
     return frame.sort("pivot_id", "branch", "k")
 
 
@@ -136,5 +180,8 @@ PASS_SCHEMA = {
     "text": pl.Utf8, "answer": pl.Utf8, "correct": pl.Boolean, "finish_reason": pl.Utf8, "n_tokens": pl.Int64,
     "next_topk_ids": pl.List(pl.Int64), "next_topk_logprobs": pl.List(pl.Float64), "next_digest": pl.Utf8,
     "kv_maxdiff": pl.List(pl.Float64),
+    # prefix-cache accounting: prefix positions read from stored/cached KV, the number a faithful resume must
+    # read (decode_kv), and the rest of the prefix, recomputed by prefill (HF decode_kv: all stored, tail 0)
+    "cached_tokens": pl.Int64, "expected_cached_tokens": pl.Int64, "tail_tokens": pl.Int64,
 }
 

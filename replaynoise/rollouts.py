@@ -110,6 +110,19 @@ def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: 
     return frame
 
 
+def gather(shards: list[pl.DataFrame]) -> pl.DataFrame:
+    """One table from the rollout shards, in shard order; ``kv_file`` keeps only the file name.
+
+    The folder a KV file sits in names its shard, and the gathered table must not depend on the shard size:
+    passes find each file again among the shard folders they are given (``replay.kv_locations``).
+    """
+    frame = pl.concat(shards, how="diagonal_relaxed")
+    duplicated = frame["problem_id"].filter(frame["problem_id"].is_duplicated()).unique().to_list()
+    if duplicated:
+        raise ValueError(f"problems {sorted(duplicated)[:5]} appear in more than one rollout shard")
+    return frame.with_columns(pl.col("kv_file").map_elements(lambda f: Path(f).name, return_dtype=pl.Utf8))
+
+
 def _resumable(record_path: Path, work_kv: Path) -> bool:
     """A finished record counts only if the KV file it names is still in the scratch folder."""
     kv_file = pl.read_parquet(record_path, columns=["kv_file"])["kv_file"][0]

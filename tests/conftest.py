@@ -2,19 +2,116 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = REPO / "resources" / "packages"  # pip-downloaded wheels, shared with the workflow's cache
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory) -> Path:
+def smollm2_dir(tmp_path_factory) -> Iterator[Path]:
     """SmolLM2-135M-Instruct dequantized to bf16 safetensors, through the same code as the prepare_model rule."""
     from replaynoise.models import prepare_model
+    from replaynoise.provenance import sha256_file
 
     out = tmp_path_factory.mktemp("models") / "smollm2-135m-bfloat16"
     prepare_model("smollm2-135m", "bfloat16", out, PACKAGES)
-    return out
+    digests = {p.name: sha256_file(p) for p in out.iterdir()}
+    yield out
+    # Runs and copies hard-link these files (``link_or_copy``): a test that wrote into one would change them
+    # for every later test, so the session ends with a check that none did.
+    changed = [name for name, digest in digests.items() if sha256_file(out / name) != digest]
+    assert not changed, f"a test changed the shared model's files in place: {changed}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# The workflow on a tiny configuration, shared by the workflow, interruption and bad-input tests
+# --------------------------------------------------------------------------------------------------------
+
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
+
+TINY = {
+    "seed": 11,
+    "dataset": {"source": "simple_addsub", "n_problems": 3},
+    "configs": {"tiny": {"model": "smollm2-135m", "dtype": "bfloat16", "max_new_tokens": 24}},
+    "pivots": {"max_margin": 0.3, "per_rollout": 2},
+    "replay": {"k": 2, "max_new_tokens": 12, "batch_size": 4, "passes": ["exact", "replica", "refeed", "selector"]},
+    "analysis": {"n_boot": 50, "min_eligible": 1},
+    "resources": {"shard_size": 2},  # two shards (of about two batches each): every tiny run scatters and gathers
+}
+MODEL_KEY = "smollm2-135m-bfloat16"
+
+
+def snakemake_command(workdir: Path, config: dict, *args: str) -> list[str]:
+    """The command line for ``config`` (written beside the results) in ``workdir``, the committed config ignored."""
+    cfg = workdir / "test-config.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    return [*SNAKEMAKE, "--directory", str(workdir), "--cores", "2", "--configfile", str(cfg),
+            "--replace-workflow-config", *args]
+
+
+def snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(snakemake_command(workdir, config, *args), capture_output=True, text=True, timeout=1500)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def planned_rules(workdir: Path, config: dict, *targets: str) -> set[str]:
+    """The rules a dry run (of ``targets``, or of the default target) would execute."""
+    out = snakemake(workdir, config, *targets, "-n", "--quiet", "rules").stdout  # --quiet takes several values
+    rules = set()
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("job", "total"):
+            rules.add(parts[0])
+    return rules
+
+
+def link_or_copy(src: str, dst: str) -> None:
+    """A hard link where the file system allows one, else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def seed_model(workdir: Path, smollm2_dir: Path) -> None:
+    """Reuse the session's converted model (its conversion is tested by the fixture itself), hard-linked."""
+    shutil.copytree(smollm2_dir, workdir / "results" / "models" / MODEL_KEY, copy_function=link_or_copy)
+
+
+def clone_run(run: Path, dest: Path) -> Path:
+    """A private copy of a finished run, to change or break; unlocked, its model files hard-linked."""
+    def link_models_copy_the_rest(src: str, dst: str) -> None:
+        # No step writes into a model file (a rebuild replaces the directory by a rename, which leaves other
+        # links alone), and at about 270 MB a copy they filled CI's disk. The rest is copied, so a test can
+        # corrupt it in place without touching the run it was copied from.
+        if Path(dst).relative_to(dest).parts[:2] == ("results", "models"):
+            link_or_copy(src, dst)
+        else:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(run, dest, symlinks=True, copy_function=link_models_copy_the_rest)
+    shutil.rmtree(dest / ".snakemake" / "locks", ignore_errors=True)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_run(smollm2_dir, tmp_path_factory) -> Path:
+    """A finished, uninterrupted run of the tiny configuration: the reference other runs must reproduce.
+
+    Tests that change files in it restore them; tests that need to break things work on a copy.
+    """
+    workdir = tmp_path_factory.mktemp("workflow")
+    seed_model(workdir, smollm2_dir)
+    snakemake(workdir, TINY)
+    return workdir

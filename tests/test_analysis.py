@@ -334,6 +334,12 @@ def test_channel_agreement_shares_and_invariant_assertion() -> None:
     assert "exact vs replica" not in message
     with pytest.raises(AssertionError, match="nothing"):
         assert_all_identical(agreement.head(0))
+    # a fresh-seed pass (selector) draws other noise by design: its differences are not an invariance failure
+    fresh = pl.DataFrame({"pass_a": ["exact", "exact"], "pass_b": ["replica", "selector"],
+                          "channel": ["token_ids", "token_ids"], "n": [8, 8], "share_identical": [1.0, 0.25]})
+    assert_all_identical(fresh)
+    with pytest.raises(AssertionError, match="nothing"):
+        assert_all_identical(fresh.tail(1))
 
 
 def test_lists_bitwise_equal() -> None:

@@ -160,6 +160,8 @@ def test_file_source_with_existing_file_and_local_model_dir_validate(committed, 
     data.write_text('{"question": "1+1?", "answer": "2"}\n')
     model_dir = tmp_path / "my-model"
     model_dir.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):  # only their presence is checked here
+        (model_dir / name).write_text("{}")
     config = with_value(with_value(committed, "dataset.source", "file"), "dataset.path", str(data))
     config = with_value(config, f"configs.{CONFIG_NAME}.model", str(model_dir))
     validated = validate_config(config)
@@ -167,6 +169,18 @@ def test_file_source_with_existing_file_and_local_model_dir_validate(committed, 
     # A path that is a file, not a directory, is not a model.
     with pytest.raises(ConfigError, match=rf"configs\.{re.escape(CONFIG_NAME)}\.model"):
         validate_config(with_value(config, f"configs.{CONFIG_NAME}.model", str(data)))
+
+
+@pytest.mark.parametrize("missing, message", [
+    ("tokenizer.json", "no tokenizer"), ("model.safetensors", "no \\*.safetensors"), ("config.json", "no config.json")])
+def test_local_model_dir_missing_a_part_fails_at_validation(committed, tmp_path, missing, message):
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    for name in {"config.json", "model.safetensors", "tokenizer.json"} - {missing}:
+        (model_dir / name).write_text("{}")
+    with pytest.raises(ConfigError, match=rf"configs\.{re.escape(CONFIG_NAME)}\.model: .*{message}") as info:
+        validate_config(with_value(committed, f"configs.{CONFIG_NAME}.model", str(model_dir)))
+    assert str(model_dir) in str(info.value)
 
 
 def test_configs_must_be_non_empty_and_well_named(committed):
@@ -288,11 +302,13 @@ def test_snakemake_dry_run_lists_the_whole_pipeline(tmp_path):
     jobs = job_counts(output)
     expected = {"sample_problems", "prepare_model", "generate_rollouts", "select_pivots", "replay_exact",
                 "replay_replica", "replay_refeed", "replay_selector", "compute_credit", "compare_passes",
-                "compare_pooled", "headline_tables", "manifest", "all"}
+                "compare_pooled", "headline_tables", "manifest", "all", "gather_rollouts", "gather_pass",
+                "cost_report"}
     figures = {f"figure_{name}" for name in ("disagreement", "kinds_of_change", "jaccard_sweep", "diff_histogram",
                                              "disagreement_vs_margin")}
     assert set(jobs) == expected | figures, output
-    assert jobs["compute_credit"] == 4  # one configuration x four passes
+    assert jobs["compute_credit"] == jobs["gather_pass"] == 4  # one configuration x four passes
+    assert jobs["generate_rollouts"] == 1 and jobs["replay_exact"] == 1  # 12 problems fit one shard of 50
     assert not (tmp_path / "results").exists()
 
 

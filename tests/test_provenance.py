@@ -7,8 +7,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import polars as pl
@@ -80,6 +82,31 @@ def test_atomic_path_success_replaces_existing_target(tmp_path):
         assert target.read_text() == "old"  # nothing visible until the block ends
     assert target.read_text() == "new"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
+def test_rewriting_a_target_removes_what_a_killed_writer_left(tmp_path):
+    target = tmp_path / "out.txt"
+    script = (
+        "import sys, time\n"
+        "from replaynoise.provenance import atomic_path\n"
+        f"with atomic_path({str(target)!r}) as tmp:\n"
+        "    tmp.write_text('half')\n"
+        "    print(tmp, flush=True)\n"
+        "    time.sleep(60)\n")
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+    orphan = Path(writer.stdout.readline().strip())
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    assert orphan.exists() and not target.exists()  # SIGKILL skipped the clean-up
+    unrelated = [tmp_path / ".other.txt.abcdefgh.tmp", tmp_path / ".out.txt.my-notes.tmp"]
+    for path in unrelated:
+        path.write_text("keep")
+    with atomic_path(target) as tmp:
+        tmp.write_text("whole")
+    assert target.read_text() == "whole"
+    assert not orphan.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out.txt", *(p.name for p in unrelated)])
 
 
 @pytest.mark.parametrize("writer", ["text", "json", "parquet"])
@@ -263,3 +290,29 @@ def test_provenance_record(monkeypatch, git_repo):
     assert record["install_mode"] == "pip"
     assert record["note"] == "extra field"
     json.dumps(record)  # provenance.json must be writable without a custom encoder
+
+
+def test_read_parquet_names_a_truncated_or_missing_file(tmp_path):
+    import polars as pl
+
+    from replaynoise.provenance import UnreadableFileError, read_parquet, write_parquet
+
+    path = tmp_path / "frame.parquet"
+    write_parquet(pl.DataFrame({"a": list(range(100))}), path)
+    assert read_parquet(path)["a"].sum() == 4950
+    path.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(UnreadableFileError, match=rf"{path}: not a readable parquet file"):
+        read_parquet(path)
+    with pytest.raises(FileNotFoundError, match="missing.parquet: no such file"):
+        read_parquet(tmp_path / "missing.parquet")
+
+
+def test_read_json_names_a_truncated_file(tmp_path):
+    from replaynoise.provenance import UnreadableFileError, read_json, write_json
+
+    path = tmp_path / "x.json"
+    write_json({"a": [1, 2]}, path)
+    assert read_json(path) == {"a": [1, 2]}
+    path.write_text(path.read_text()[:5])
+    with pytest.raises(UnreadableFileError, match=rf"{path}: not readable JSON"):
+        read_json(path)

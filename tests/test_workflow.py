@@ -3,59 +3,19 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import polars as pl
 import pytest
-import yaml
 
-from conftest import REPO
+from conftest import TINY, planned_rules, snakemake
 
 pytestmark = pytest.mark.slow
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
-
-TINY = {
-    "seed": 11,
-    "dataset": {"source": "simple_addsub", "n_problems": 3},
-    "configs": {"tiny": {"model": "smollm2-135m", "dtype": "bfloat16", "max_new_tokens": 24}},
-    "pivots": {"max_margin": 0.3, "per_rollout": 2},
-    "replay": {"k": 2, "max_new_tokens": 12, "batch_size": 8, "passes": ["exact", "replica", "refeed", "selector"]},
-    "analysis": {"n_boot": 50, "min_eligible": 1},
-}
-
-
-def snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cfg = workdir / "test-config.yaml"
-    cfg.write_text(yaml.safe_dump(config))
-    cmd = [*SNAKEMAKE, "--directory", str(workdir), "--cores", "2", "--configfile", str(cfg),
-           "--replace-workflow-config", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def planned_rules(workdir: Path, config: dict) -> set[str]:
-    """The rules a dry run would execute."""
-    out = snakemake(workdir, config, "-n", "--quiet", "rules").stdout
-    rules = set()
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("job", "total"):
-            rules.add(parts[0])
-    return rules
 
 
 @pytest.fixture(scope="module")
-def finished_run(smollm2_dir, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("workflow")
-    # the model conversion is tested by the fixture itself; reuse its output instead of converting twice
-    shutil.copytree(smollm2_dir, workdir / "results" / "models" / "smollm2-135m-bfloat16")
-    snakemake(workdir, TINY)
-    return workdir
+def finished_run(tiny_run):
+    return tiny_run
 
 
 def test_run_produces_every_result_with_a_valid_manifest(finished_run):
@@ -101,11 +61,11 @@ def test_changing_a_figure_setting_reruns_only_figures(finished_run):
     other = {**TINY, "figures": {"margin_bins": 3}}
     rules = planned_rules(finished_run, other)
     assert "figure_disagreement_vs_margin" in rules
-    assert rules <= {"figure_disagreement_vs_margin", "manifest", "all"}
+    assert rules <= {"figure_disagreement_vs_margin", "manifest", "cost_report", "all"}
 
 
 def test_changing_one_pass_setting_leaves_rollouts_alone(finished_run):
-    other = {**TINY, "replay": {**TINY["replay"], "batch_size": 4}}
+    other = {**TINY, "replay": {**TINY["replay"], "batch_size": 8}}
     rules = planned_rules(finished_run, other)
     assert {"replay_exact", "replay_replica", "replay_refeed"} <= rules
     assert not rules & {"prepare_model", "sample_problems", "generate_rollouts", "select_pivots"}
@@ -128,3 +88,18 @@ def test_report_renders(finished_run):
     snakemake(finished_run, TINY, "--report", "results/report.html")
     html = (finished_run / "results" / "report.html").read_text(errors="replace")
     assert "disagreement" in html and "headline" in html
+
+
+def test_cost_statement_covers_every_model_job(finished_run):
+    cost = pl.read_csv(finished_run / "results" / "cost" / "cost.csv")
+    rows = {r["rule"]: r for r in cost.iter_rows(named=True)}
+    shards = 2  # TINY's shard size 2 over 3 problems
+    assert rows["generate_rollouts"]["jobs"] == shards
+    for name in TINY["replay"]["passes"]:
+        assert rows[f"replay_{name}"]["jobs"] == rows[f"replay_{name}"]["timed_jobs"] == shards
+    total = rows["total"]
+    assert total["jobs"] == 1 + shards * (1 + len(TINY["replay"]["passes"]))
+    assert rows["prepare_model"]["timed_jobs"] == 0  # the tests seed the converted model instead of running it
+    assert total["timed_jobs"] == total["jobs"] - 1
+    assert total["gpu_hours"] == 0 and total["cpu_core_hours"] > 0 and total["cost"] > 0
+    assert "cost/" not in (finished_run / "results" / "MANIFEST.sha256").read_text()

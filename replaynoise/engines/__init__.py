@@ -6,11 +6,15 @@ from pathlib import Path
 
 from replaynoise.engines.base import Engine
 
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm")
 
 
 def make_engine(settings: dict, model_dir: Path, *, topk: int, threads: int) -> Engine:
-    """Build the engine a configuration names, with its model loaded offline."""
+    """Build the engine a configuration names, with its model loaded offline.
+
+    A platform that cannot do what the configuration asks (vLLM invariant mode off CUDA cc >= 8.0) stops here,
+    before the model is loaded.
+    """
     import torch
 
     torch.set_num_threads(threads)
@@ -19,5 +23,17 @@ def make_engine(settings: dict, model_dir: Path, *, topk: int, threads: int) -> 
         from replaynoise.models import load_model
 
         model, tokenizer = load_model(model_dir, settings["dtype"], settings["device"])
-        return HFEngine(model, tokenizer, kernels=settings["kernels"], topk=topk)
+        return HFEngine(model, tokenizer, kernels=settings["kernels"], topk=topk,
+                        decode=settings.get("decode", "auto"), cpu_matmul=settings.get("cpu_matmul", "fp32"))
+    if settings["engine"] == "vllm":
+        from replaynoise.engines.vllm import VLLMEngine, build_llm, check_invariant_platform
+        from replaynoise.models import eos_ids, load_tokenizer, model_weights_dir
+
+        if settings["kernels"] == "invariant":
+            check_invariant_platform(settings["device"])
+        weights = model_weights_dir(Path(model_dir))
+        tokenizer = load_tokenizer(weights)
+        llm = build_llm(weights, settings, topk=topk, threads=threads)
+        return VLLMEngine(llm, tokenizer, eos_ids(weights, tokenizer), topk=topk,
+                          block_size=settings["block_size"])
     raise ValueError(f"engine must be one of {ENGINES}, got {settings['engine']!r}")

@@ -76,6 +76,10 @@ class ContinuationResult:
     next_topk_logprobs: list[float]
     next_digest: str
     kv_maxdiff: list[float] | None = None
+    #: prefix positions whose KV came from a stored or cached state rather than a prefill in this request
+    cached_tokens: int | None = None
+    #: what ``cached_tokens`` must be for a faithful resume (decode_kv); None where nothing is expected
+    expected_cached_tokens: int | None = None
     extra: dict = field(default_factory=dict)
 
 

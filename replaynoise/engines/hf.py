@@ -10,7 +10,9 @@ Two kernel modes:
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +25,20 @@ from replaynoise.engines.base import (
     ContinuationRequest, ContinuationResult, KeepLen, Rollout, RolloutRequest, SamplingSettings,
     VerificationError,
 )
-from replaynoise.engines.sampling import RowSampler, logits_digest, topk_logprobs
+from replaynoise.engines.fast import StaticDecoder, static_decode_supported, use_fp32_matmul
+from replaynoise.engines.sampling import RowSampler, logits_digest, sample_rows, topk_logprobs
+from replaynoise.models import eos_token_ids
 from replaynoise.provenance import atomic_path, sha256_file
 
 log = logging.getLogger(__name__)
 
 KERNEL_MODES = ("stock", "invariant")
+#: ``dynamic``: HF forward with a DynamicCache, finished rows leave the batch; ``static``: preallocated KV and, on
+#: CUDA, one captured graph per step with on-device sampling (rows stay until every row has finished);
+#: ``auto``: static on CUDA for the model families it supports, dynamic otherwise.
+DECODE_MODES = ("auto", "dynamic", "static")
+#: On CPU, half-precision linear layers as float32 GEMMs (``fp32``) or with torch's own kernel (``native``).
+CPU_MATMULS = ("fp32", "native")
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -41,21 +51,38 @@ class PrefixState:
     length: int
     verified: bool
     kv_maxdiff: list[float] | None
+    #: prefix positions taken from stored KV (decode_kv: all of them; a re-feed prefills all: 0)
+    cached: int = 0
+    expected: int | None = None
 
 
 class HFEngine:
     name = "hf"
 
     def __init__(self, model, tokenizer, *, kernels: str = "stock", topk: int = 5,
-                 prefix_cache_size: int = 512) -> None:
+                 prefix_cache_size: int = 512, decode: str = "auto", cpu_matmul: str = "fp32") -> None:
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        if cpu_matmul not in CPU_MATMULS:
+            raise ValueError(f"cpu_matmul must be one of {CPU_MATMULS}, got {cpu_matmul!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu" and cpu_matmul == "fp32":
+            use_fp32_matmul(self.model)
         self.invariant = kernels == "invariant"
+        if decode == "auto":
+            decode = "static" if self.device.type == "cuda" and static_decode_supported(model) else "dynamic"
+        if decode == "static" and not static_decode_supported(model):
+            raise ValueError(f"decode: static does not support model type {model.config.model_type!r}")
+        self.static = decode == "static" and not self.invariant
+        self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
+        self._graphs = True  # CUDA graphs for the static decode (tests turn them off to compare)
+        self.attention = os.environ.get("REPLAYNOISE_STATIC_ATTENTION", "sdpa")  # sdpa | efficient | gemm
         self.topk = topk
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_token_ids(model.generation_config, tokenizer)
         self._states: OrderedDict[tuple, PrefixState] = OrderedDict()
         self._files: OrderedDict[str, KVLayers] = OrderedDict()
         self._state_cache_size = prefix_cache_size
@@ -159,7 +186,7 @@ class HFEngine:
         if not (same_logits and same_kv):
             log.warning("pivot %s: stored KV in %s does not reproduce the rollout (logits %s, kv %s)",
                         req.pivot_id, req.kv_file, same_logits, same_kv)
-        return PrefixState(layers, length, same_logits and same_kv, None)
+        return PrefixState(layers, length, same_logits and same_kv, None, cached=length, expected=length)
 
     def _refeed_state(self, req: ContinuationRequest, ids: list[int]) -> PrefixState:
         """Recompute the prefix as a fresh prompt; where the decode KV is stored, record how far it moved."""
@@ -181,6 +208,8 @@ class HFEngine:
         if self.invariant:
             return [self._continue(reqs, sts, sampling)[0] for reqs, sts in
                     (([r], [s]) for r, s in zip(requests, states))]
+        if self.static:
+            return self._continue_static(requests, states, sampling)
         return self._continue(requests, states, sampling)
 
     def _continue(self, requests: list[ContinuationRequest], states: list[PrefixState],
@@ -188,7 +217,7 @@ class HFEngine:
         """Decode all rows together from their prefix states; finished rows leave the batch."""
         n = len(requests)
         cache, mask = _left_padded_cache(states)
-        samplers = [RowSampler(r.seed, sampling.temperature, sampling.top_p) for r in requests]
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64)
         positions = torch.tensor([s.length for s in states])
         tokens = torch.tensor([r.branch_token for r in requests])
         active = list(range(n))  # original row index of every row still in the batch
@@ -201,10 +230,12 @@ class HFEngine:
                 "attention_mask": mask.to(self.device), "position_ids": positions[:, None].to(self.device)}
             logits = self._step(tokens[:, None], cache, **kwargs)
             keep = []
+            sampled = sample_rows(logits, seeds[active], torch.full((len(active),), step, dtype=torch.int64),
+                                  sampling.temperature, sampling.top_p).tolist()
             for slot, row in enumerate(active):
                 if step == 0:
-                    first[row] = (*topk_logprobs(logits[slot], self.topk), logits_digest(logits[slot]))
-                token = samplers[row].sample(logits[slot])
+                    first[row] = self._first_step(logits[slot])
+                token = sampled[slot]
                 generated[row].append(token)
                 if token in self.eos_ids:
                     finish[row] = "eos"
@@ -220,8 +251,88 @@ class HFEngine:
             tokens = torch.tensor([generated[row][-1] for row in active])
             positions = positions + 1
         return [ContinuationResult(generated[i], finish[i], states[i].verified, states[i].length,
-                                   first[i][0], first[i][1], first[i][2], states[i].kv_maxdiff)
+                                   first[i][0], first[i][1], first[i][2], states[i].kv_maxdiff,
+                                   cached_tokens=states[i].cached, expected_cached_tokens=states[i].expected)
                 for i in range(n)]
+
+    def _first_step(self, logits: torch.Tensor) -> tuple[list[int], list[float], str]:
+        """Top-k and digest of a row's first continuation step (float32 logits on the CPU)."""
+        return (*topk_logprobs(logits, self.topk), logits_digest(logits))
+
+    def _decoder(self, rows: int, length: int) -> StaticDecoder:
+        key = (rows, length)
+        if key not in self._decoders:
+            if len(self._decoders) >= 2:
+                self._decoders.popitem(last=False)
+                torch.cuda.empty_cache() if self.device.type == "cuda" else None
+            self._decoders[key] = StaticDecoder(self.model, rows, length, graphs=self._graphs,
+                                                attention=self.attention)
+        self._decoders.move_to_end(key)
+        return self._decoders[key]
+
+    def _continue_static(self, requests: list[ContinuationRequest], states: list[PrefixState],
+                         sampling: SamplingSettings) -> list[ContinuationResult]:
+        """Decode all rows together in a static cache (one graph replay per step); a row's tokens after its
+        end-of-sequence token are dropped. Checks for all-finished only every few steps (each check syncs)."""
+        n, steps = len(requests), sampling.max_new_tokens
+        unique: dict[int, int] = {}
+        for state in states:
+            unique.setdefault(id(state), len(unique))
+        ordered = list({id(s): s for s in states}.values())
+        longest = max(s.length for s in states)
+        length = -(-(longest + steps + 1) // 64) * 64  # bucketed, so batches of a pass share one graph
+        decoder = self._decoder(n, length)
+        decoder.load([s.layers for s in ordered], [s.length for s in ordered], [unique[id(s)] for s in states],
+                     [r.seed for r in requests], [r.branch_token for r in requests],
+                     (sampling.temperature, sampling.top_p))
+        out = torch.empty(n, steps, dtype=torch.int64, device=self.device)
+        eos = torch.tensor(sorted(self.eos_ids), device=self.device)
+        firsts = None
+        for step in range(steps):
+            logits, tokens = decoder.step()
+            if step == 0:
+                firsts = self._first_steps(logits, decoder.host_buffer(logits.shape[-1]))  # hashed during decode
+            out[:, step] = tokens
+            if step + 1 == steps:
+                break
+            if step % 16 == 15 and bool(torch.isin(out[:, :step + 1], eos).any(dim=1).all()):
+                break
+        out = out[:, :step + 1].cpu().tolist()
+        top_ids, top_lps, digests = firsts()
+        results = []
+        for i, (row, s) in enumerate(zip(out, states)):
+            end = next((j for j, t in enumerate(row) if t in self.eos_ids), None)
+            tokens_i, finish = (row[:end + 1], "eos") if end is not None else (row, "length")
+            results.append(ContinuationResult(tokens_i, finish, s.verified, s.length, top_ids[i], top_lps[i],
+                                              digests[i], s.kv_maxdiff, cached_tokens=s.cached,
+                                              expected_cached_tokens=s.expected))
+        return results
+
+    def _first_steps(self, logits: torch.Tensor, host: torch.Tensor):
+        """Top-k (on the device) and digests (blake2b of the float32 bits, on the CPU, in threads that run while
+        the decode continues) of every row's first continuation step; returns a function that collects them."""
+        logits = logits.to(torch.float32)
+        values, ids = torch.topk(torch.log_softmax(logits, dim=-1), self.topk, dim=-1)
+        host.copy_(logits, non_blocking=True)
+        ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        if ready is not None:
+            ready.record()
+        pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 1)))
+
+        def digest_all() -> list[str]:
+            if ready is not None:
+                ready.synchronize()
+            return list(pool.map(logits_digest, host.unbind(0), chunksize=16))
+
+        pending = pool.submit(digest_all)
+        ids, values = ids.cpu().tolist(), values.cpu().tolist()
+
+        def collect():
+            digests = pending.result()
+            pool.shutdown()
+            return ids, values, digests
+
+        return collect
 
 
 def _left_padded_cache(states: list[PrefixState]) -> tuple[DynamicCache, torch.Tensor]:
@@ -276,15 +387,3 @@ def load_kv(path: str | Path, expected_sha256: str | None = None, device: torch.
         return [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(n_layers)]
     except KeyError as exc:
         raise VerificationError(f"{path}: stored KV lacks tensor {exc}") from exc
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
-    if ids is None:
-        ids = tokenizer.eos_token_id
-    ids = {ids} if isinstance(ids, int) else set(ids or [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    if not ids:
-        raise ValueError("the model defines no end-of-sequence token")
-    return ids

@@ -1,44 +1,114 @@
 """Sampling with common random numbers.
 
-Continuation k of branch b at pivot t draws its noise from a generator seeded only by (config, problem, pivot,
-branch, k), one Gumbel vector per step. The same row therefore meets the same noise in every pass, whatever batch
-it lands in, and differences between passes come from the numerics alone.
+Continuation k of branch b at pivot t draws its noise from its own seed, derived only from (config, problem,
+pivot, branch, k): one Gumbel vector per step. The same row therefore meets the same noise in every pass, whatever
+batch it lands in, and differences between passes come from the numerics alone.
+
+The noise is counter-based: the uniform for (row seed, step, vocabulary index) is a 32-bit integer hash of the
+three, computed with int64 torch ops whose results are identical on CPU and GPU. No generator state has to be
+carried along, so a whole batch is sampled with a few tensor operations on the device that holds the logits (a
+GPU never sends its logits to the CPU to sample), and a row's noise cannot depend on its batch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (lowbias32 family) on int64 tensors holding values in [0, 2**32).
+
+    Both multipliers are below 2**31, so no int64 product overflows and CPU and GPU agree bit for bit."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row from its 63-bit seed and its step number (int64 tensors of shape [rows])."""
+    h = _mix32((seeds & _M32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((seeds >> 32) & _M32))
+    return _mix32(h ^ (steps & _M32))
+
+
+def _noise(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Float32 Gumbel noise -log(-log(u)) for (row key, vocabulary index) pairs (broadcasting int64 tensors);
+    u takes the 23 high bits of their hash, centred: exact in float32 and inside [2**-24, 1 - 2**-24]."""
+    bits = _mix32(keys ^ _mix32(index + 0x7F4A7C15)) >> 9
+    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(-torch.log(uniform))
+
+
+def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The noise of every row over the whole vocabulary: [rows, vocab]."""
+    return _noise(keys[:, None], torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :])
+
+
+#: The noise is bounded (u in [2**-24, 1 - 2**-24]): a token whose score is this far below the row's best score
+#: can never win the argmax, so only the tokens above it need noise (1.0 of margin covers float32 rounding).
+_NOISE_SPAN = -math.log(-math.log(1 - 2.0 ** -24)) + math.log(-math.log(2.0 ** -24)) + 1.0
+
+
+def sample_rows(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, temperature: float,
+                top_p: float, exhaustive: bool = False) -> torch.Tensor:
+    """Gumbel-max sampling of every row: argmax(logits / T + g), g the row's noise at its step.
+
+    ``logits`` [rows, vocab] (any float dtype, computed in float32), ``seeds`` and ``steps`` int64 [rows] on the
+    same device; returns int64 token ids [rows] there. Greedy (T <= 0) takes the argmax; the noise of a step
+    does not depend on whether earlier steps drew any, so streams stay aligned.
+
+    By default the noise is computed only for the tokens that can still win (scores within the noise's span of
+    the row's best), which gives the same token as the exhaustive form at a fraction of the memory traffic;
+    ``exhaustive=True`` computes it over the whole vocabulary, with static shapes (for CUDA graphs)."""
+    if temperature <= 0:
+        return torch.argmax(logits, dim=-1)
+    scores = logits.to(torch.float32) / temperature
+    if top_p < 1.0:
+        scores = _mask_outside_nucleus(scores, top_p)
+    keys = row_keys(seeds, steps)
+    if exhaustive:
+        return torch.argmax(scores + gumbel(keys, scores.shape[-1]), dim=-1)
+    best = scores.max(dim=-1, keepdim=True).values
+    rows, cols = torch.nonzero(scores >= best - _NOISE_SPAN, as_tuple=True)
+    total = scores[rows, cols] + _noise(keys[rows], cols)
+    row_best = torch.full((scores.shape[0],), float("-inf"), device=scores.device).scatter_reduce(
+        0, rows, total, "amax")
+    winner = torch.where(total == row_best[rows], cols, scores.shape[-1])  # ties: the lowest index, as argmax
+    return torch.full_like(row_best, scores.shape[-1], dtype=torch.int64).scatter_reduce(0, rows, winner, "amin")
+
+
 class RowSampler:
-    """Gumbel-max sampling for one row: token = argmax(logits / T + g), g drawn from the row's own generator."""
+    """One row's sampler (rollouts): the same noise as ``sample_rows`` gives that row in any batch."""
 
     def __init__(self, seed: int, temperature: float, top_p: float) -> None:
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(seed)
+        self.seed = torch.tensor([seed], dtype=torch.int64)
         self.temperature = temperature
         self.top_p = top_p
+        self.step = 0
 
     def sample(self, logits: torch.Tensor) -> int:
-        """Sample from float32 ``logits`` of shape [vocab]; the noise is drawn even when greedy, to keep streams aligned."""
-        uniform = torch.rand(logits.shape[-1], generator=self.generator, dtype=torch.float64)
-        if self.temperature <= 0:
-            return int(torch.argmax(logits))
-        scores = logits.double() / self.temperature
-        if self.top_p < 1.0:
-            scores = _mask_outside_nucleus(scores, self.top_p)
-        gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-300)))
-        return int(torch.argmax(scores + gumbel))
+        """Sample from float32 ``logits`` of shape [vocab] at this row's next step."""
+        steps = torch.tensor([self.step], dtype=torch.int64)
+        self.step += 1
+        return int(sample_rows(logits[None, :], self.seed.to(logits.device), steps.to(logits.device),
+                               self.temperature, self.top_p)[0])
 
 
 def _mask_outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_scores, order = torch.sort(scores, descending=True)
+    """Keep, per row, the smallest set of top tokens whose mass reaches top_p; the rest get -inf."""
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
     probs = torch.softmax(sorted_scores, dim=-1)
     cumulative = torch.cumsum(probs, dim=-1)
-    drop = cumulative - probs >= top_p  # keep the smallest prefix whose mass reaches top_p
+    drop = cumulative - probs >= top_p
     masked = sorted_scores.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scores).scatter_(0, order, masked)
+    return torch.empty_like(scores).scatter_(-1, order, masked)
 
 
 def logits_digest(logits: torch.Tensor) -> str:

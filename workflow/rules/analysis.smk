@@ -1,4 +1,5 @@
 rule compare_passes:
+    localrule: True
     input:
         credit=lambda w: [credit_file(w.config, p) for p in RUN_PASSES],
         passes=lambda w: [pass_file(w.config, p) for p in RUN_PASSES],
@@ -26,6 +27,7 @@ rule compare_passes:
 
 
 rule compare_pooled:
+    localrule: True
     input:
         credit=all_credit,
     output:
@@ -46,6 +48,7 @@ rule compare_pooled:
 
 
 rule headline_tables:
+    localrule: True
     input:
         configs=expand("results/analysis/{config}/comparison.json", config=CONFIGS),
         pooled="results/analysis/pooled/comparison.json",

@@ -8,6 +8,7 @@ sys.path.insert(0, workflow.basedir)
 
 from replaynoise.config import ConfigError, analysis_hash, validate_config  # noqa: E402
 from replaynoise.replay import PASSES  # noqa: E402
+from replaynoise.shards import shard_names  # noqa: E402
 
 try:
     _validated = validate_config(config)
@@ -24,9 +25,15 @@ LOGS = "results/logs"
 BENCH = "results/benchmarks"
 
 
+#: Problem shards (resources.shard_size): rollouts run one job per shard, and so does every pass, over an
+#: equal share of its batches (replaynoise/shards.py says why the split never changes a result).
+SHARDS = shard_names(config["dataset"]["n_problems"], config["resources"]["shard_size"])
+
+
 wildcard_constraints:
     config="|".join(re.escape(c) for c in CONFIGS),
     pass_name="|".join(RUN_PASSES),
+    shard=r"\d\d\d+",
 
 
 def dataset_name():
@@ -55,6 +62,50 @@ def model_dir(wildcards):
 
 def settings(wildcards):
     return config["configs"][wildcards.config]
+
+
+#: The conda env of model rules, by engine: vLLM is an optional extra with its own pins (requirements-vllm.txt).
+ENGINE_ENVS = {"hf": "../../envs/torch.yaml", "vllm": "../../envs/vllm.yaml"}
+
+
+def engine_env(wildcards):
+    return ENGINE_ENVS[settings(wildcards)["engine"]]
+
+
+def heavy(stage, key):
+    """threads, mem_mb or runtime (minutes) of a model step: resources.<key>, or resources.rules.<stage>.<key>."""
+    override = config["resources"]["rules"].get(stage, {}).get(key)
+    return config["resources"][key] if override is None else override
+
+
+def gpus_of(config_name):
+    """GPUs a model job of this configuration holds (the cluster request and the local --resources gpu=N)."""
+    return config["resources"]["gpus"] if config["configs"][config_name]["device"].startswith("cuda") else 0
+
+
+def gpus(wildcards):
+    return gpus_of(wildcards.config)
+
+
+def benchmark_file(rule_name, job):
+    """The benchmark file of one job (``job``: a model key, or "{config}.{shard}"), read by cost_report."""
+    return f"{BENCH}/{rule_name}/{job}.tsv"
+
+
+def rollout_shard_file(config_name, shard):
+    return f"results/rollouts/{config_name}/shards/{shard}.parquet"
+
+
+def kv_dir(config_name, shard):
+    return f"results/rollouts/{config_name}/kv/{shard}"
+
+
+def kv_dirs(wildcards):
+    return [kv_dir(wildcards.config, s) for s in SHARDS]
+
+
+def pass_shard_file(config_name, pass_name, shard):
+    return f"results/passes/{config_name}/{pass_name}/{shard}.parquet"
 
 
 def pass_file(config_name, pass_name):
@@ -89,7 +140,9 @@ def manifest_inputs(wildcards=None):
     files = [problems_file()]
     files += sorted({f"results/models/{model_key(c)}" for c in CONFIGS})
     for c in CONFIGS:
-        files += [f"results/rollouts/{c}/rollouts.parquet", f"results/rollouts/{c}/kv", f"results/pivots/{c}.parquet"]
+        files += [rollout_shard_file(c, s) for s in SHARDS] + [kv_dir(c, s) for s in SHARDS]
+        files += [f"results/rollouts/{c}/rollouts.parquet", f"results/pivots/{c}.parquet"]
+        files += [pass_shard_file(c, p, s) for p in RUN_PASSES for s in SHARDS]
         files += [pass_file(c, p) for p in RUN_PASSES] + [credit_file(c, p) for p in RUN_PASSES]
         files += [f"results/analysis/{c}/comparison.json", f"results/analysis/{c}/channels.csv"]
     files += ["results/analysis/pooled/comparison.json"]
@@ -111,3 +164,20 @@ def code_version(*modules):
         for path in sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]:
             digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def timed_jobs():
+    """Every model job this configuration plans, with its benchmark file and the devices it holds."""
+    jobs = [
+        dict(rule="prepare_model", benchmark=benchmark_file("prepare_model", key), gpus=0,
+             threads=heavy("prepare_model", "threads"))
+        for key in sorted(MODEL_KEYS)
+    ]
+    for c in CONFIGS:
+        held = gpus_of(c)
+        for s in SHARDS:
+            jobs.append(dict(rule="generate_rollouts", benchmark=benchmark_file("generate_rollouts", f"{c}.{s}"),
+                             gpus=held, threads=heavy("generate_rollouts", "threads")))
+            jobs += [dict(rule=f"replay_{p}", benchmark=benchmark_file(f"replay_{p}", f"{c}.{s}"), gpus=held,
+                          threads=heavy("replay", "threads")) for p in RUN_PASSES]
+    return jobs

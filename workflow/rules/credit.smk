@@ -1,4 +1,5 @@
 rule compute_credit:
+    localrule: True
     input:
         passes=lambda w: pass_file(w.config, w.pass_name),
         pivots="results/pivots/{config}.parquet",

@@ -1,4 +1,5 @@
 rule sample_problems:
+    localrule: True
     output:
         "results/problems/{dataset}.parquet",
     params:

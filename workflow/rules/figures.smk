@@ -4,6 +4,7 @@ for _fig in FIGURES_FROM_COMPARISONS:
     rule:
         name:
             f"figure_{_fig}"
+        localrule: True
         input:
             comparisons=expand("results/analysis/{config}/comparison.json", config=CONFIGS),
         output:
@@ -26,6 +27,7 @@ for _fig in FIGURES_FROM_CREDIT:
     rule:
         name:
             f"figure_{_fig}"
+        localrule: True
         input:
             credit=all_credit,
         output:
@@ -46,5 +48,6 @@ for _fig in FIGURES_FROM_CREDIT:
 
 
 rule figures:
+    localrule: True
     input:
         expand("results/figures/{name}.{ext}", name=FIGURES_FROM_COMPARISONS + FIGURES_FROM_CREDIT, ext=["png", "pdf"]),

@@ -1,4 +1,5 @@
 rule manifest:
+    localrule: True
     input:
         manifest_inputs,
     output:
@@ -19,6 +20,7 @@ rule manifest:
 
 # Checks the results as they are on disk, so it has no inputs: Snakemake must not rebuild anything first.
 rule verify:
+    localrule: True
     params:
         manifest="results/MANIFEST.sha256",
     log:
@@ -30,10 +32,12 @@ rule verify:
 
 
 rule rollouts_only:
+    localrule: True
     input:
         expand("results/pivots/{config}.parquet", config=CONFIGS),
 
 
 rule passes_only:
+    localrule: True
     input:
         [pass_file(c, p) for c in CONFIGS for p in RUN_PASSES],

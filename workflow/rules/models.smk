@@ -9,8 +9,11 @@ rule prepare_model:
     log:
         f"{LOGS}/prepare_model/{{model_key}}.log",
     benchmark:
-        f"{BENCH}/prepare_model/{{model_key}}.tsv"
-    threads: config["resources"]["threads"]
+        benchmark_file("prepare_model", "{model_key}")
+    threads: heavy("prepare_model", "threads")
+    resources:
+        mem_mb=heavy("prepare_model", "mem_mb"),
+        runtime=heavy("prepare_model", "runtime"),
     conda:
         "../../envs/torch.yaml"
     script:

@@ -1,5 +1,6 @@
 # One rule per pass, each a separately cached step (method.md section 2). They differ only in the pass name,
-# which decides the prefix source and the noise stream (replaynoise.replay.PASSES).
+# which decides the prefix source and the noise stream (replaynoise.replay.PASSES). Each runs one job per
+# shard, over an equal share of the pass's batches, gathered by gather_pass.
 for _pass in RUN_PASSES:
 
     rule:
@@ -8,26 +9,45 @@ for _pass in RUN_PASSES:
         input:
             model=model_dir,
             rollouts="results/rollouts/{config}/rollouts.parquet",
-            kv="results/rollouts/{config}/kv",
+            kv=kv_dirs,
             pivots="results/pivots/{config}.parquet",
         output:
-            pass_file("{config}", _pass),
+            pass_shard_file("{config}", _pass, "{shard}"),
         params:
-            code=code_version("replay", "engines", "data", "seeds", "models", "provenance"),
+            code=code_version("replay", "engines", "data", "seeds", "models", "provenance", "shards"),
             pass_name=_pass,
             settings=settings,
             seed=config["seed"],
             replay=config["replay"],
             topk=config["pivots"]["topk"],
-            work=f"results/work/{{config}}/{_pass}",
+            n_shards=len(SHARDS),
+            work=f"results/work/{{config}}/{_pass}/{{shard}}",
         log:
-            f"{LOGS}/replay_{_pass}/{{config}}.log",
+            f"{LOGS}/replay_{_pass}/{{config}}.{{shard}}.log",
         benchmark:
-            f"{BENCH}/replay_{_pass}/{{config}}.tsv"
-        threads: config["resources"]["threads"]
+            benchmark_file(f"replay_{_pass}", "{config}.{shard}")
+        threads: heavy("replay", "threads")
         resources:
-            gpu=lambda w: int(settings(w)["device"].startswith("cuda")),
+            mem_mb=heavy("replay", "mem_mb"),
+            runtime=heavy("replay", "runtime"),
+            gpu=gpus,
         conda:
-            "../../envs/torch.yaml"
+            engine_env
         script:
             "../scripts/replay_pass.py"
+
+
+rule gather_pass:
+    localrule: True
+    input:
+        lambda w: [pass_shard_file(w.config, w.pass_name, s) for s in SHARDS],
+    output:
+        pass_file("{config}", "{pass_name}"),
+    params:
+        code=code_version("replay", "provenance"),
+    log:
+        f"{LOGS}/gather_pass/{{config}}.{{pass_name}}.log",
+    conda:
+        "../../envs/analysis.yaml"
+    script:
+        "../scripts/gather.py"

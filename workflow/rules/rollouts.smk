@@ -1,26 +1,46 @@
+# One job per problem shard (resources.shard_size), gathered into one table per configuration.
 rule generate_rollouts:
     input:
         problems=problems_file(),
         model=model_dir,
     output:
-        rollouts="results/rollouts/{config}/rollouts.parquet",
-        kv=directory("results/rollouts/{config}/kv"),
+        rollouts=rollout_shard_file("{config}", "{shard}"),
+        kv=directory(kv_dir("{config}", "{shard}")),
     params:
-        code=code_version("rollouts", "engines", "pivots", "data", "seeds", "models", "provenance"),
+        code=code_version("rollouts", "engines", "pivots", "data", "seeds", "models", "provenance", "shards"),
         settings=settings,
         seed=config["seed"],
         prompt=config["prompt"],
         max_margin=config["pivots"]["max_margin"],
         topk=config["pivots"]["topk"],
-        work="results/work/{config}/rollouts",
+        shard_size=config["resources"]["shard_size"],
+        work="results/work/{config}/rollouts/{shard}",
     log:
-        f"{LOGS}/generate_rollouts/{{config}}.log",
+        f"{LOGS}/generate_rollouts/{{config}}.{{shard}}.log",
     benchmark:
-        f"{BENCH}/generate_rollouts/{{config}}.tsv"
-    threads: config["resources"]["threads"]
+        benchmark_file("generate_rollouts", "{config}.{shard}")
+    threads: heavy("generate_rollouts", "threads")
     resources:
-        gpu=lambda w: int(settings(w)["device"].startswith("cuda")),
+        mem_mb=heavy("generate_rollouts", "mem_mb"),
+        runtime=heavy("generate_rollouts", "runtime"),
+        gpu=gpus,
     conda:
-        "../../envs/torch.yaml"
+        engine_env
     script:
         "../scripts/generate_rollouts.py"
+
+
+rule gather_rollouts:
+    localrule: True
+    input:
+        lambda w: [rollout_shard_file(w.config, s) for s in SHARDS],
+    output:
+        "results/rollouts/{config}/rollouts.parquet",
+    params:
+        code=code_version("rollouts", "provenance"),
+    log:
+        f"{LOGS}/gather_rollouts/{{config}}.log",
+    conda:
+        "../../envs/analysis.yaml"
+    script:
+        "../scripts/gather.py"

@@ -5,11 +5,9 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parents[1]))
 from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
-import polars as pl  # noqa: E402
-
 from replaynoise.credit import compute_credit  # noqa: E402
-from replaynoise.provenance import write_parquet  # noqa: E402
+from replaynoise.provenance import read_parquet, write_parquet  # noqa: E402
 
-credit = compute_credit(pl.read_parquet(snakemake.input.passes), pl.read_parquet(snakemake.input.pivots),
+credit = compute_credit(read_parquet(snakemake.input.passes), read_parquet(snakemake.input.pivots),
                         snakemake.params.k, snakemake.wildcards.pass_name)
 write_parquet(credit, snakemake.output[0])

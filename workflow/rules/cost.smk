@@ -1,0 +1,19 @@
+# Timings are not results: the statement reads the benchmark files after the manifest is written, and is
+# itself kept out of the manifest (two identical runs take different times).
+rule cost_report:
+    localrule: True
+    input:
+        "results/MANIFEST.sha256",
+    output:
+        csv="results/cost/cost.csv",
+        md=report("results/cost/cost.md", caption="../report/cost.rst", category="Compute"),
+    params:
+        code=code_version("cost", "provenance"),
+        jobs=timed_jobs(),
+        prices=config["cost"],
+    log:
+        f"{LOGS}/cost_report.log",
+    conda:
+        "../../envs/analysis.yaml"
+    script:
+        "../scripts/cost_report.py"
