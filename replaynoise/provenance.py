@@ -204,15 +204,37 @@ def git_commit(repo_dir: str | os.PathLike) -> dict[str, Any]:
     return {"commit": run("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
+#: CPU features that decide which GEMM kernels torch and oneDNN dispatch to, and so the last bits of a CPU run's
+#: logits: two machines of one "kind" (an AVX2 Intel, an AVX512-BF16 EPYC) give different rollouts.
+KERNEL_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The CPU's model name and its kernel-relevant features (``platform.processor()`` is empty on Linux)."""
+    model, flags = None, set()
+    try:
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model is None:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:  # no /proc (macOS): the model name below, features unknown
+        return {"cpu_model": platform.processor() or None, "cpu_features": None}
+    return {"cpu_model": model or platform.processor() or None,
+            "cpu_features": [f for f in KERNEL_FEATURES if f in flags]}
+
+
 def hardware() -> dict[str, Any]:
     info: dict[str, Any] = {
         "machine": platform.machine(), "processor": platform.processor(), "system": platform.system(),
-        "python": platform.python_version(), "cpu_count": os.cpu_count(),
+        "python": platform.python_version(), "cpu_count": os.cpu_count(), **cpu_description(),
     }
     try:
         import torch
 
         info["torch_threads"] = torch.get_num_threads()
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         info["cuda"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except ImportError:  # provenance must still be written where torch is absent
         info["cuda"] = None

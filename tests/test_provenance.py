@@ -239,6 +239,23 @@ def test_install_mode(monkeypatch, prefix, mode):
     assert provenance.install_mode() == mode
 
 
+def test_cpu_description_names_the_model_and_the_kernel_features(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu sse2 avx2 fma avx512f "
+                       "avx512_bf16 sha_ni\n\nprocessor\t: 1\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu\n")
+    assert provenance.cpu_description(cpuinfo) == {"cpu_model": "AMD EPYC 9654",
+                                                    "cpu_features": ["avx2", "fma", "avx512f", "avx512_bf16"]}
+    missing = provenance.cpu_description(tmp_path / "absent")
+    assert missing["cpu_features"] is None
+
+
+def test_hardware_records_the_cpu_that_picks_the_kernels():
+    info = provenance.hardware()
+    assert {"cpu_model", "cpu_features", "torch_cpu_capability"} <= info.keys()
+    if Path("/proc/cpuinfo").is_file():
+        assert info["cpu_model"] and set(info["cpu_features"]) <= set(provenance.KERNEL_FEATURES)
+
+
 def test_git_commit_outside_a_repository(tmp_path):
     assert provenance.git_commit(tmp_path) == {"commit": None, "dirty": None}
 
