@@ -24,23 +24,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from replay_throughput import qwen25_05b, sync  # noqa: E402
+from replay_throughput import qwen25_05b, timed  # noqa: E402
 
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings  # noqa: E402
 from replaynoise.engines.hf import HFEngine, load_kv  # noqa: E402
-from replaynoise.engines.sampling import logits_digest  # noqa: E402
 
 
 def per_pivot_ms(fn, requests, device: str) -> float:
     """Median milliseconds of ``fn(request)`` over the requests, each call synchronised on both sides."""
-    times = []
-    for req in requests:
-        sync(device)
-        start = time.perf_counter()
-        fn(req)
-        sync(device)
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
+    return 1e3 * statistics.median(timed(lambda: fn(req), device)[1] for req in requests)
 
 
 def measure(engine: HFEngine, prompt_len: int, rollouts: int, device: str) -> dict:
@@ -64,14 +56,6 @@ def measure(engine: HFEngine, prompt_len: int, rollouts: int, device: str) -> di
             fn(req)
         return go
 
-    def probe(req):  # what _decode_state runs once the stored layers are in memory
-        layers = [(k[..., :len(req.prefix_ids), :], v[..., :len(req.prefix_ids), :])
-                  for k, v in engine._stored_layers(req.kv_file, req.kv_sha256)]
-        from transformers import DynamicCache
-
-        cache = DynamicCache(ddp_cache_data=[(k[..., :-1, :].clone(), v[..., :-1, :].clone()) for k, v in layers])
-        logits_digest(engine._step(torch.tensor([[req.prefix_ids[-1]]]), cache)[0])
-
     for req in first_of_file:  # warm-up: kernels, allocator
         engine._decode_state(req)
         engine._refeed_state(req, list(req.prefix_ids))
@@ -82,8 +66,7 @@ def measure(engine: HFEngine, prompt_len: int, rollouts: int, device: str) -> di
                                                  first_of_file, device)
     row["kv_load_ms"] = per_pivot_ms(lambda r: load_kv(r.kv_file, None, device=engine.device), first_of_file, device)
     row["exact_state_cold_file_ms"] = per_pivot_ms(cold(engine._decode_state), first_of_file, device)
-    row["exact_state_ms"] = per_pivot_ms(engine._decode_state, requests, device)
-    row["exact_probe_ms"] = per_pivot_ms(probe, requests, device)
+    row["exact_state_ms"] = per_pivot_ms(engine._decode_state, requests, device)  # file in memory: probe, checks
     row["refeed_prefill_ms"] = per_pivot_ms(lambda r: engine._prefill(list(r.prefix_ids)), requests, device)
     row["refeed_state_ms"] = per_pivot_ms(lambda r: engine._refeed_state(r, list(r.prefix_ids)), requests, device)
     row["one_token_step_ms"] = per_pivot_ms(lambda r: engine._prefill(list(r.prefix_ids[-1:])), requests, device)

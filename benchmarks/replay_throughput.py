@@ -374,13 +374,9 @@ def table(out: dict) -> str:
     lines = []
     if out["mode"] == "cpu":
         lines.append(f"{'measure':<34}{'tok/s':>10}{'seconds':>10}{'tokens':>8}")
-        for p in PASS_SOURCES:
-            runs = sorted(out[p], key=lambda r: r["seconds"])
-            mid = runs[len(runs) // 2]
-            lines.append(f"{'pass ' + p + ' (median)':<34}{mid['tok_s']:>10.1f}{mid['seconds']:>10.1f}{mid['tokens']:>8}")
-        for p in ("exact_native", "refeed_native"):
+        for p in (*PASS_SOURCES, "exact_native", "refeed_native"):  # the native ones with --compare-native
             if p in out:
-                mid = sorted(out[p], key=lambda r: r["seconds"])[len(out[p]) // 2]
+                mid = median_run(out[p])
                 lines.append(f"{'pass ' + p + ' (median)':<34}{mid['tok_s']:>10.1f}{mid['seconds']:>10.1f}{mid['tokens']:>8}")
         for key in ("naive_native", "naive_same_kernels"):
             r = out[key]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ def smollm2_dir(tmp_path_factory) -> Iterator[Path]:
     prepare_model("smollm2-135m", "bfloat16", out, PACKAGES)
     digests = {p.name: sha256_file(p) for p in out.iterdir()}
     yield out
-    # Runs and copies hard-link these files (``link_or_copy``): a test that wrote into one would change them
+    # Runs and copies hard-link these files (``copy_linking``): a test that wrote into one would change them
     # for every later test, so the session ends with a check that none did.
     changed = [name for name, digest in digests.items() if sha256_file(out / name) != digest]
     assert not changed, f"a test changed the shared model's files in place: {changed}"
@@ -76,31 +77,30 @@ def planned_rules(workdir: Path, config: dict, *targets: str) -> set[str]:
     return rules
 
 
-def link_or_copy(src: str, dst: str) -> None:
-    """A hard link where the file system allows one, else a copy."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+def copy_linking(src: Path, dest: Path, link: Callable[[Path], bool], **copytree_args) -> Path:
+    """Copy a tree, hard-linking the files for which ``link(path relative to dest)`` holds (a copy where the file
+    system refuses a link). Model weights are linked: no step writes into them (a rebuild replaces the directory
+    by a rename, which leaves other links alone), and at about 270 MB a copy they filled CI's disk. Whatever a
+    test may change in place must be copied, so the tree it came from stays as it was."""
+    def link_or_copy(s: str, d: str) -> None:
+        if link(Path(d).relative_to(dest)):
+            with contextlib.suppress(OSError):
+                os.link(s, d)
+                return
+        shutil.copy2(s, d)
+
+    shutil.copytree(src, dest, copy_function=link_or_copy, **copytree_args)
+    return dest
 
 
 def seed_model(workdir: Path, smollm2_dir: Path) -> None:
     """Reuse the session's converted model (its conversion is tested by the fixture itself), hard-linked."""
-    shutil.copytree(smollm2_dir, workdir / "results" / "models" / MODEL_KEY, copy_function=link_or_copy)
+    copy_linking(smollm2_dir, workdir / "results" / "models" / MODEL_KEY, lambda path: True)
 
 
 def clone_run(run: Path, dest: Path) -> Path:
     """A private copy of a finished run, to change or break; unlocked, its model files hard-linked."""
-    def link_models_copy_the_rest(src: str, dst: str) -> None:
-        # No step writes into a model file (a rebuild replaces the directory by a rename, which leaves other
-        # links alone), and at about 270 MB a copy they filled CI's disk. The rest is copied, so a test can
-        # corrupt it in place without touching the run it was copied from.
-        if Path(dst).relative_to(dest).parts[:2] == ("results", "models"):
-            link_or_copy(src, dst)
-        else:
-            shutil.copy2(src, dst)
-
-    shutil.copytree(run, dest, symlinks=True, copy_function=link_models_copy_the_rest)
+    copy_linking(run, dest, lambda path: path.parts[:2] == ("results", "models"), symlinks=True)
     shutil.rmtree(dest / ".snakemake" / "locks", ignore_errors=True)
     return dest
 

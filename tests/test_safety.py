@@ -10,7 +10,6 @@ import ast
 import json
 import os
 import pickle
-import shutil
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, link_or_copy
+from conftest import REPO, copy_linking
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +33,9 @@ class _Booby:
 
 
 def copy_model(smollm2_dir: Path, dest: Path) -> Path:
-    """A copy whose small files the tests may rewrite in place; the weights (about 270 MB) are hard-linked, since
-    the tests only add files beside them or delete them."""
-    def link_weights(src: str, dst: str) -> None:
-        (link_or_copy if src.endswith(".safetensors") else shutil.copy2)(src, dst)
-
-    shutil.copytree(smollm2_dir, dest, copy_function=link_weights)
-    return dest
+    """A copy whose small files the tests may rewrite in place; the weights are hard-linked, since the tests only
+    add files beside them or delete them."""
+    return copy_linking(smollm2_dir, dest, lambda path: path.suffix == ".safetensors")
 
 
 def test_pickle_weights_beside_safetensors_are_never_unpickled(smollm2_dir, tmp_path):
