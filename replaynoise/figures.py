@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 
 from replaynoise.analysis import eligible_frame
 from replaynoise.provenance import atomic_path
+from replaynoise.stats import disagree
 
 PNG_METADATA = {"Software": None}
 PDF_METADATA = {"CreationDate": None, "Producer": None, "Creator": None}
@@ -76,6 +77,12 @@ def _no_data_message(results: Mapping[str, dict] | None, conditioning: str) -> s
     return "\n".join(notes) if notes else NO_DATA
 
 
+def _metric_of(results: Mapping[str, dict] | None) -> str:
+    """The disagreement metric the comparisons' headline numbers use (named in every title)."""
+    metrics = sorted({str((res or {}).get("metric", "sign")) for res in (results or {}).values()})
+    return "/".join(metrics) if metrics else "sign"
+
+
 def _err(stat: dict, scale: float = 1.0) -> tuple[float, float, float]:
     """(value, lower error, upper error) for errorbar; a missing CI draws no bar rather than a fake one."""
     est = stat.get("estimate")
@@ -92,7 +99,7 @@ def _err(stat: dict, scale: float = 1.0) -> tuple[float, float, float]:
 def plot_disagreement(results: Mapping[str, dict] | None, out_png: PathLike, out_pdf: PathLike,
                       conditioning: str = "main") -> None:
     """Per configuration: replica floor D(exact, replica) beside D(exact, refeed) (and other passes), with CIs."""
-    title = f"Credit-estimate disagreement with the exact pass ({conditioning})"
+    title = f"Credit-estimate disagreement with the exact pass ({conditioning}, {_metric_of(results)} metric)"
     blocks = _usable(results, conditioning)
     if not blocks:
         save_figure(_message_figure(_no_data_message(results, conditioning), title), out_png, out_pdf)
@@ -111,7 +118,7 @@ def plot_disagreement(results: Mapping[str, dict] | None, out_png: PathLike, out
         ax.bar(x + (i - (len(series) - 1) / 2) * width, vals[:, 0], width, yerr=vals[:, 1:].T, capsize=3,
                label=label, color=COLORS.get(key, f"C{i + 2}"))
     ax.set_xticks(x, [f"{c}\n(n={b['n']})" for c, b in blocks.items()], fontsize=8)
-    ax.set_ylabel("% eligible pivots with a different estimate")
+    ax.set_ylabel("% pivots whose estimate disagrees")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
@@ -127,7 +134,7 @@ def plot_kinds_of_change(results: Mapping[str, dict] | None, out_png: PathLike, 
 
     The bar height is the disagreement rate, so re-feed and replica bars can be set side by side.
     """
-    title = f"Kinds of change ({conditioning})"
+    title = f"Kinds of change ({conditioning}, {_metric_of(results)} metric)"
     blocks = _usable(results, conditioning)
     if not blocks:
         save_figure(_message_figure(_no_data_message(results, conditioning), title), out_png, out_pdf)
@@ -254,43 +261,45 @@ def margin_bins(margins: np.ndarray, n_bins: int) -> np.ndarray:
     return edges if edges.size >= 2 else np.array([margins.min(), margins.max() + 1e-12])
 
 
-def disagreement_by_margin(sel: pl.DataFrame, edges: Sequence[float]) -> pl.DataFrame:
-    """Per margin bin: pivot count and shares with exact != refeed and exact != replica."""
+def disagreement_by_margin(sel: pl.DataFrame, edges: Sequence[float], metric: str = "sign") -> pl.DataFrame:
+    """Per margin bin: pivot count and shares where exact and refeed (and exact and replica) disagree."""
     margins = sel["margin"].to_numpy()
     e, ref, rep = (sel[f"a_hat__{p}"].to_numpy() for p in ("exact", "refeed", "replica"))
+    refeed, replica = disagree(e, ref, metric), disagree(e, rep, metric)
     idx = np.clip(np.searchsorted(edges, margins, side="right") - 1, 0, len(edges) - 2)
     rows = []
     for b in range(len(edges) - 1):
         m = idx == b
         n = int(m.sum())
         rows.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "n": n,
-                     "refeed": float((e[m] != ref[m]).mean()) if n else None,
-                     "replica": float((e[m] != rep[m]).mean()) if n else None})
+                     "refeed": float(refeed[m].mean()) if n else None,
+                     "replica": float(replica[m].mean()) if n else None})
     return pl.DataFrame(rows, schema={"lo": pl.Float64, "hi": pl.Float64, "n": pl.Int64,
                                       "refeed": pl.Float64, "replica": pl.Float64})
 
 
 def plot_disagreement_vs_margin(credits: Mapping[str, Mapping[str, pl.DataFrame]] | None, out_png: PathLike,
-                                out_pdf: PathLike, conditioning: str = "main", n_bins: int = 5) -> None:
+                                out_pdf: PathLike, conditioning: str = "main", n_bins: int = 5,
+                                metric: str = "sign") -> None:
     """Disagreement share by pivot margin (equal-count bins, pivots pooled over configurations)."""
-    title = f"Disagreement by pivot margin, pooled over configurations ({conditioning})"
+    title = f"Disagreement by pivot margin, pooled over configurations ({conditioning}, {metric} metric)"
     frames = _frames(credits, conditioning)
     if not frames:
         save_figure(_message_figure(NO_DATA, title), out_png, out_pdf)
         return
     cols = ["margin", "a_hat__exact", "a_hat__refeed", "a_hat__replica"]
     pooled = pl.concat([f.select(cols) for f in frames.values()], how="vertical_relaxed")
-    table = disagreement_by_margin(pooled, margin_bins(pooled["margin"].to_numpy(), n_bins))
+    table = disagreement_by_margin(pooled, margin_bins(pooled["margin"].to_numpy(), n_bins), metric)
     table = table.filter(pl.col("n") > 0)
     mid = ((table["lo"] + table["hi"]) / 2).to_numpy()
     fig = _new_figure()
     ax = fig.add_subplot()
-    ax.plot(mid, 100 * table["refeed"].to_numpy(), marker="o", color=COLORS["refeed"], label="exact ≠ re-feed")
-    ax.plot(mid, 100 * table["replica"].to_numpy(), marker="s", color=COLORS["floor"], label="exact ≠ replica")
+    ax.plot(mid, 100 * table["refeed"].to_numpy(), marker="o", color=COLORS["refeed"], label="exact vs re-feed")
+    ax.plot(mid, 100 * table["replica"].to_numpy(), marker="s", color=COLORS["floor"], label="exact vs replica")
     labels = [f"{lo:.3f}-{hi:.3f}\nn={n}" for lo, hi, n in table.select("lo", "hi", "n").iter_rows()]
     ax.set_xticks(mid, labels, fontsize=7)
-    ax.set_xlabel("pivot margin p(1) - p(2) (equal-count bins)")
-    ax.set_ylabel("% pivots with a different estimate")
+    ax.set_xlabel("pivot margin (top-1 vs top-2 gap, in the pivot rule's unit; equal-count bins)")
+    ax.set_ylabel("% pivots whose estimate disagrees")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)

@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import shutil
+import sys
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -118,6 +119,21 @@ def write_text(text: str, target: str | os.PathLike) -> None:
 def remove_scratch(work_dir: str | os.PathLike) -> None:
     """Drop a step's resumable scratch work once its outputs are written."""
     shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def keyed_scratch(work_dir: str | os.PathLike, key: str) -> Path:
+    """A step's scratch folder, keyed by what produced it: work left by a run with other settings (``key``: a
+    hash of everything that decides the content) is discarded, and the log says so, instead of being resumed."""
+    work_dir = Path(work_dir)
+    stamp = work_dir / ".key"
+    if work_dir.exists() and (not stamp.is_file() or stamp.read_text().strip() != key):
+        if any(p.name != ".key" for p in work_dir.iterdir()):
+            print(f"{work_dir}: discarding scratch work left by a run with other settings (key "
+                  f"{stamp.read_text().strip() if stamp.is_file() else 'none'}, now {key})", file=sys.stderr)
+        shutil.rmtree(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(key + "\n")
+    return work_dir
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

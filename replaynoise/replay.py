@@ -10,7 +10,7 @@ result is the same as an uninterrupted one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ from replaynoise.data import extract_answer, is_correct
 from replaynoise.engines.base import ContinuationRequest, Engine, SamplingSettings
 from replaynoise.seeds import derive_seed
 from replaynoise.progress import TokenProgress
-from replaynoise.provenance import write_parquet
+from replaynoise.provenance import keyed_scratch, write_parquet
 from replaynoise.shards import batch_range
 
 BRANCHES = ("orig", "sub")
@@ -79,11 +79,11 @@ def build_requests(pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: s
     as in the gathered rollouts table; without, it is used as a path.
     """
     spec = PASSES[pass_name]
-    by_problem = {r["problem_id"]: r for r in rollouts.iter_rows(named=True)}
+    by_rollout = {(r["problem_id"], r.get("rollout", 0)): r for r in rollouts.iter_rows(named=True)}
     located = kv_locations(kv_dirs) if kv_dirs is not None else None
     requests = []
     for p in pivots.iter_rows(named=True):
-        r = by_problem[p["problem_id"]]
+        r = by_rollout[(p["problem_id"], p.get("rollout", 0))]
         kv_file = r["kv_file"]
         if located is not None and kv_file is not None:
             if kv_file not in located:
@@ -107,6 +107,12 @@ def build_requests(pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: s
     return requests
 
 
+def probe_requests(requests: list[ContinuationRequest]) -> list[ContinuationRequest]:
+    """The greedy probe of each branch (the paper's channel): the k = 0 request of every (pivot, branch), run
+    greedily for a fixed budget; its rows carry k = -1 until ``gather`` moves them onto the k = 0 rows."""
+    return [replace(req, k=PROBE_K) for req in requests if req.k == 0]
+
+
 def make_schedule(n_rows: int, batch_size: int, seed: int) -> list[list[int]]:
     """Shuffle the rows with the pass's schedule seed and cut them into batches, as arrival order would."""
     order = np.random.default_rng(seed).permutation(n_rows)
@@ -115,8 +121,10 @@ def make_schedule(n_rows: int, batch_size: int, seed: int) -> list[list[int]]:
 
 def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: str, config_name: str,
              seed: int, k: int, sampling: SamplingSettings, batch_size: int, work_dir: Path,
-             shard: tuple[int, int] = (0, 1), kv_dirs: Sequence[Path] | None = None) -> pl.DataFrame:
-    """Run (or resume) one pass, or shard ``(index, count)`` of it; returns one graded row per continuation.
+             shard: tuple[int, int] = (0, 1), kv_dirs: Sequence[Path] | None = None, probe_tokens: int = 0,
+             scratch_key: str = "") -> pl.DataFrame:
+    """Run (or resume) one pass, or shard ``(index, count)`` of it; returns one graded row per continuation
+    (and, with ``probe_tokens``, one greedy probe row per branch, k = -1, that ``gather`` folds in).
 
     The schedule is always that of the whole pass (``replaynoise.shards``), so sharding never changes a batch.
     """
@@ -124,24 +132,28 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
     requests = build_requests(pivots, rollouts, pass_name=pass_name, k=k, seed=seed, config_name=config_name,
                               tokenizer=engine.tokenizer, kv_dirs=kv_dirs)
     sched_seed = schedule_seed(seed, config_name, pass_name)
-    all_batches = make_schedule(len(requests), batch_size, sched_seed)
-    mine = batch_range(shard[0], shard[1], len(all_batches))
-    batches = {b: all_batches[b] for b in mine}
-    work_dir = Path(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    done = {int(p.stem.split("_")[1]) for p in work_dir.glob("batch_*.parquet")}
-    rows_done = sum(len(rows) for b, rows in batches.items() if b in done)
+    work_dir = keyed_scratch(work_dir, scratch_key)
+    units = [("batch", requests, sampling, sched_seed)]
+    if probe_tokens:
+        units.append(("probe", probe_requests(requests), SamplingSettings(0.0, 1.0, probe_tokens),
+                      schedule_seed(seed, config_name, f"{pass_name}:probe")))
+    todo = []
+    for kind, reqs, samp, sseed in units:
+        all_batches = make_schedule(len(reqs), batch_size, sseed)
+        mine = batch_range(shard[0], shard[1], len(all_batches))
+        todo += [(kind, b, [reqs[i] for i in all_batches[b]], samp, sseed) for b in mine]
+    done = {p.stem for p in work_dir.glob("*.parquet")}
+    rows_done = sum(len(batch) for kind, b, batch, *_ in todo if f"{kind}_{b:05d}" in done)
     label = f"{pass_name} {config_name}" + (f" shard {shard[0] + 1}/{shard[1]}" if shard[1] > 1 else "")
-    progress = TokenProgress(sum(len(rows) for rows in batches.values()), label, initial=rows_done)
+    progress = TokenProgress(sum(len(batch) for _, _, batch, *_ in todo), label, initial=rows_done)
     golds = dict(zip(rollouts["problem_id"], rollouts["gold"]))
     pivot_problem = dict(zip(pivots["pivot_id"], pivots["problem_id"]))
     pivot_t = dict(zip(pivots["pivot_id"], pivots["t"]))
 
-    for batch_id, rows in batches.items():
-        if batch_id in done:
+    for kind, batch_id, batch, samp, sseed in todo:
+        if f"{kind}_{batch_id:05d}" in done:
             continue
-        batch = [requests[i] for i in rows]
-        results = engine.run_batch(batch, spec.source, sampling)
+        results = engine.run_batch(batch, spec.source, samp)
         records = []
         for req, res in zip(batch, results):
             prompt_len = len(req.prefix_ids) - pivot_t[req.pivot_id]
@@ -150,7 +162,7 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
             answer = extract_answer(text)
             records.append({
                 "pivot_id": req.pivot_id, "problem_id": pivot_problem[req.pivot_id], "branch": req.branch,
-                "k": req.k, "branch_token": req.branch_token, "seed": req.seed, "schedule_seed": sched_seed,
+                "k": req.k, "branch_token": req.branch_token, "seed": req.seed, "schedule_seed": sseed,
                 "batch_id": batch_id, "batch_size": len(batch), "prefix_source": spec.source,
                 "verified": res.verified, "prefix_len": res.prefix_len, "token_ids": res.token_ids, "text": text,
                 "answer": answer, "correct": is_correct(answer, golds[pivot_problem[req.pivot_id]]),
@@ -159,18 +171,32 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
                 "next_digest": res.next_digest, "kv_maxdiff": res.kv_maxdiff,
                 "cached_tokens": res.cached_tokens, "expected_cached_tokens": res.expected_cached_tokens,
                 "tail_tokens": None if res.cached_tokens is None else res.prefix_len - res.cached_tokens,
+                "restep_match": res.restep_match, "probe_ids": None, "probe_logprob": None,
             })
-        write_parquet(pl.DataFrame(records, schema=PASS_SCHEMA), work_dir / f"batch_{batch_id:05d}.parquet")
+        write_parquet(pl.DataFrame(records, schema=PASS_SCHEMA), work_dir / f"{kind}_{batch_id:05d}.parquet")
         progress.rows(len(batch), sum(len(r.token_ids) for r in results))
     progress.close()
-    parts = [pl.read_parquet(work_dir / f"batch_{b:05d}.parquet") for b in batches]
-    return gather(parts)
+    parts = [pl.read_parquet(work_dir / f"{kind}_{b:05d}.parquet") for kind, b, *_ in todo]
+    frame = pl.concat(parts) if parts else pl.DataFrame(schema=PASS_SCHEMA)
+    return gather([frame]) if shard[1] == 1 else frame  # a shard's probes may belong to another's rows
 
 
 def gather(shards: list[pl.DataFrame]) -> pl.DataFrame:
-    """One pass table from its shards (or batches), in the canonical row order, whatever the split."""
+    """One pass table from its shards (or batches), in the canonical row order, whatever the split.
+
+    Probe rows (k = -1) leave the table: their tokens and first-token log-prob become ``probe_ids`` and
+    ``probe_logprob`` of the branch's k = 0 row (null elsewhere, and everywhere when no probe ran)."""
     frame = pl.concat(shards) if shards else pl.DataFrame(schema=PASS_SCHEMA)
-    return frame.sort("pivot_id", "branch", "k")
+    if not (frame["k"] == PROBE_K).any():  # no probe ran, or already gathered
+        return frame.select(list(PASS_SCHEMA)).sort("pivot_id", "branch", "k")
+    probes = frame.filter(pl.col("k") == PROBE_K).select(
+        "pivot_id", "branch", pl.lit(0, dtype=pl.Int64).alias("k"), pl.col("token_ids").alias("probe_ids__p"),
+        pl.col("next_topk_logprobs").list.first().alias("probe_logprob__p"))
+    rows = frame.filter(pl.col("k") != PROBE_K).join(probes, on=["pivot_id", "branch", "k"], how="left")
+    rows = rows.with_columns(pl.col("probe_ids__p").alias("probe_ids"),
+                             pl.col("probe_logprob__p").alias("probe_logprob")).drop("probe_ids__p",
+                                                                                     "probe_logprob__p")
+    return rows.select(list(PASS_SCHEMA)).sort("pivot_id", "branch", "k")
 
 
 PASS_SCHEMA = {
@@ -183,5 +209,11 @@ PASS_SCHEMA = {
     # prefix-cache accounting: prefix positions read from stored/cached KV, the number a faithful resume must
     # read (decode_kv), and the rest of the prefix, recomputed by prefill (HF decode_kv: all stored, tail 0)
     "cached_tokens": pl.Int64, "expected_cached_tokens": pl.Int64, "tail_tokens": pl.Int64,
+    # decode_kv: a re-step of the last prefix token over the stored KV reproduced the rollout bitwise (measured)
+    "restep_match": pl.Boolean,
+    # the branch's greedy probe (k = 0 rows): its tokens, and the log-prob of its first token
+    "probe_ids": pl.List(pl.Int64), "probe_logprob": pl.Float64,
 }
+#: the k of probe rows until ``gather`` folds them into the k = 0 rows
+PROBE_K = -1
 

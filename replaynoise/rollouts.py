@@ -1,7 +1,9 @@
-"""Rollout generation: one seeded rollout per problem, with the decode-time KV each later pivot can need.
+"""Rollout generation: N seeded rollouts (trunks) per problem, generated in batches of whole problems, with the
+decode-time KV each later pivot can need.
 
-Work is kept per problem in a scratch folder, so a killed step resumes where it stopped; a rollout depends
-only on its own seed, so resumed and uninterrupted runs give the same bytes.
+Work is kept per batch in a scratch folder keyed by the settings that made it, so a killed step resumes where
+it stopped; batches are fixed by the problem order and every rollout by its own seed, so resumed and
+uninterrupted runs give the same bytes.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import polars as pl
 from replaynoise.data import extract_answer, is_correct
 from replaynoise.engines.base import Engine, Rollout, RolloutRequest, SamplingSettings
 from replaynoise.seeds import derive_seed
-from replaynoise.pivots import candidate_positions
+from replaynoise.pivots import PivotRules, rollout_pivots
 from replaynoise.progress import TokenProgress
-from replaynoise.provenance import write_parquet
+from replaynoise.provenance import keyed_scratch, write_parquet
 
 PROMPT_STYLES = ("chat", "plain")
 _LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -59,8 +61,8 @@ def rollout_record(rollout: Rollout, tokenizer, gold: str, span: tuple[int, int]
     text = tokenizer.decode(rollout.response_ids, skip_special_tokens=True)
     answer = extract_answer(text)
     return {
-        "problem_id": rollout.problem_id, "prompt_ids": rollout.prompt_ids, "response_ids": rollout.response_ids,
-        "topk_ids": rollout.topk_ids, "topk_logprobs": rollout.topk_logprobs,
+        "problem_id": rollout.problem_id, "rollout": rollout.rollout, "prompt_ids": rollout.prompt_ids,
+        "response_ids": rollout.response_ids, "topk_ids": rollout.topk_ids, "topk_logprobs": rollout.topk_logprobs,
         "logits_digests": rollout.logits_digests, "finish_reason": rollout.finish_reason, "text": text,
         "answer": answer, "gold": gold, "correct": is_correct(answer, gold),
         "answer_span": list(span) if span else None, "special_ids": sorted(tokenizer.all_special_ids),
@@ -68,40 +70,61 @@ def rollout_record(rollout: Rollout, tokenizer, gold: str, span: tuple[int, int]
     }
 
 
+def rollout_batches(problem_ids: list[str], per_problem: int, batch_size: int) -> list[list[str]]:
+    """Whole problems per batch (their N rollouts together, as one ``n=N`` request would be), about
+    ``batch_size`` rollouts a batch; fixed by the problem order, so a resumed step meets the same batches."""
+    per_batch = max(1, batch_size // per_problem)
+    return [problem_ids[i:i + per_batch] for i in range(0, len(problem_ids), per_batch)]
+
+
 def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: int, sampling: SamplingSettings,
-             style: str, instruction: str, max_margin: float, kv_dir: Path, work_dir: Path) -> pl.DataFrame:
-    """Generate (or resume) all rollouts of one configuration; KV files end in ``kv_dir``."""
+             style: str, instruction: str, rules: PivotRules, kv_dir: Path, work_dir: Path, per_problem: int = 1,
+             batch_size: int = 1, scratch_key: str = "") -> pl.DataFrame:
+    """Generate (or resume) all rollouts of one configuration, ``per_problem`` per problem, in batches of whole
+    problems; KV files end in ``kv_dir``, each kept as far as the rollout's chosen pivots need it."""
     tokenizer = engine.tokenizer
-    parts, work_kv = Path(work_dir) / "records", Path(work_dir) / "kv"
+    work_dir = keyed_scratch(work_dir, scratch_key)
+    parts, work_kv = work_dir / "records", work_dir / "kv"
     parts.mkdir(parents=True, exist_ok=True)
     work_kv.mkdir(parents=True, exist_ok=True)
-    done = {p.stem for p in parts.glob("*.parquet") if _resumable(p, work_kv)}
-    progress = TokenProgress(problems.height, f"rollouts {config_name}", initial=len(done))
+    batches = rollout_batches(problems["problem_id"].to_list(), per_problem, batch_size)
+    done = {b for b in range(len(batches)) if _resumable(parts / f"batch_{b:05d}.parquet", work_kv)}
+    progress = TokenProgress(problems.height * per_problem, f"rollouts {config_name}",
+                             initial=sum(len(batches[b]) for b in done) * per_problem)
+    by_id = {row["problem_id"]: row for row in problems.iter_rows(named=True)}
     special = set(tokenizer.all_special_ids)
 
-    for row in problems.iter_rows(named=True):
-        if row["problem_id"] in done:
+    for b, batch in enumerate(batches):
+        if b in done:
             continue
-        request = RolloutRequest(row["problem_id"], tuple(prompt_ids(tokenizer, row["question"], style, instruction)),
-                                 derive_seed(seed, config_name, "rollout", row["problem_id"]))
-
+        requests = []
+        for pid in batch:
+            prompt = tuple(prompt_ids(tokenizer, by_id[pid]["question"], style, instruction))
+            requests += [RolloutRequest(pid, prompt, derive_seed(seed, config_name, "rollout", pid, r), rollout=r)
+                         for r in range(per_problem)]
         spans = {}  # the answer span, computed once: keep_len needs it before the record does
 
         def keep_len(r: Rollout) -> int:
-            span = spans[r.problem_id] = answer_token_span(tokenizer, r.response_ids)
-            cands = candidate_positions(r.response_ids, r.topk_ids, r.topk_logprobs, special, span, max_margin)
-            return len(r.prompt_ids) + max(cands) if cands else 0
+            span = spans[(r.problem_id, r.rollout)] = answer_token_span(tokenizer, r.response_ids)
+            _, chosen = rollout_pivots({"problem_id": r.problem_id, "rollout": r.rollout, "prompt_ids": r.prompt_ids,
+                                        "response_ids": r.response_ids, "topk_ids": r.topk_ids,
+                                        "topk_logprobs": r.topk_logprobs, "special_ids": special,
+                                        "answer_span": span}, rules, seed, config_name)
+            return len(r.prompt_ids) + max(chosen) if chosen else 0
 
-        (rollout,) = engine.generate_rollouts([request], sampling, work_kv, keep_len)
-        span = spans.get(rollout.problem_id) or answer_token_span(tokenizer, rollout.response_ids)
-        record = rollout_record(rollout, tokenizer, row["gold"], span)
-        if record["kv_file"]:
-            record["kv_file"] = str(Path(kv_dir) / Path(record["kv_file"]).name)
-        write_parquet(pl.DataFrame([record]), parts / f"{row['problem_id']}.parquet")
-        progress.rows(1, len(rollout.response_ids))
+        records = []
+        for rollout in engine.generate_rollouts(requests, sampling, work_kv, keep_len):
+            key = (rollout.problem_id, rollout.rollout)
+            span = spans[key] if key in spans else answer_token_span(tokenizer, rollout.response_ids)
+            record = rollout_record(rollout, tokenizer, by_id[rollout.problem_id]["gold"], span)
+            if record["kv_file"]:
+                record["kv_file"] = str(Path(kv_dir) / Path(record["kv_file"]).name)
+            records.append(record)
+        write_parquet(pl.DataFrame(records), parts / f"batch_{b:05d}.parquet")
+        progress.rows(len(records), sum(len(r["response_ids"]) for r in records))
     progress.close()
 
-    frame = pl.concat([pl.read_parquet(parts / f"{pid}.parquet") for pid in problems["problem_id"]],
+    frame = pl.concat([pl.read_parquet(parts / f"batch_{b:05d}.parquet") for b in range(len(batches))],
                       how="diagonal_relaxed")
     # Copy, not move: the scratch copy must survive until the step's outputs are all in place.
     if Path(kv_dir).exists():
@@ -117,13 +140,16 @@ def gather(shards: list[pl.DataFrame]) -> pl.DataFrame:
     passes find each file again among the shard folders they are given (``replay.kv_locations``).
     """
     frame = pl.concat(shards, how="diagonal_relaxed")
-    duplicated = frame["problem_id"].filter(frame["problem_id"].is_duplicated()).unique().to_list()
+    keys = frame.select("problem_id", "rollout")
+    duplicated = keys.filter(keys.is_duplicated())["problem_id"].unique().to_list()
     if duplicated:
         raise ValueError(f"problems {sorted(duplicated)[:5]} appear in more than one rollout shard")
     return frame.with_columns(pl.col("kv_file").map_elements(lambda f: Path(f).name, return_dtype=pl.Utf8))
 
 
 def _resumable(record_path: Path, work_kv: Path) -> bool:
-    """A finished record counts only if the KV file it names is still in the scratch folder."""
-    kv_file = pl.read_parquet(record_path, columns=["kv_file"])["kv_file"][0]
-    return kv_file is None or (work_kv / Path(kv_file).name).is_file()
+    """A finished batch counts only if every KV file it names is still in the scratch folder."""
+    if not record_path.is_file():
+        return False
+    files = pl.read_parquet(record_path, columns=["kv_file"])["kv_file"].drop_nulls()
+    return all((work_kv / Path(f).name).is_file() for f in files)

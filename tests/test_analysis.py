@@ -10,10 +10,15 @@ import pytest
 from scipy import stats
 
 from replaynoise.analysis import (
-    Clusters, assert_all_identical, channel_agreement, classify_changes, cluster_ols_mean, compare_passes,
-    headline_rows, jaccard, lattice_thetas, lists_bitwise_equal, pool_credit, selection_at, wide_frame,
+    CONDITIONINGS, Clusters, assert_all_identical, channel_agreement, classify_changes, cluster_ols_mean,
+    compare_passes, headline_rows, jaccard, lattice_thetas, lists_bitwise_equal, pool_credit, selection_at,
+    wide_frame,
 )
 from replaynoise.credit import CREDIT_COLUMNS, compute_credit
+from replaynoise.stats import (
+    disagree, eligibility_sources, margin_split, mcnemar_z, mean_zero_unclustered, per_problem_t, probe_deltas,
+    probe_summary,
+)
 
 K = 4
 
@@ -32,9 +37,10 @@ def credit_frame(pass_name: str, entries: list[tuple], k: int = K) -> pl.DataFra
 
 
 #: pivot, problem, exact, replica, refeed, selector (success counts per branch, K=4). See the comments in
-#: the tests for the hand-computed consequences.
+#: the tests for the hand-computed consequences. Under the sign metric only p2, p4, p6, p8 change under
+#: re-feed and nothing under the replica; under the value metric also p1 (re-feed) and p3 (replica).
 CASE = [
-    ("p1", "A", (3, 1), (3, 1), (2, 1), (3, 1)),  # refeed magnitude change 0.5 -> 0.25
+    ("p1", "A", (3, 1), (3, 1), (2, 1), (3, 1)),  # refeed magnitude change 0.5 -> 0.25 (same sign)
     ("p2", "A", (2, 2), (2, 2), (3, 2), (2, 1)),  # refeed zero crossing 0 -> 0.25
     ("p3", "B", (4, 0), (3, 0), (4, 0), (4, 0)),  # replica magnitude change 1 -> 0.75
     ("p4", "B", (1, 3), (1, 3), (3, 1), (1, 3)),  # refeed reversal -0.5 -> 0.5
@@ -60,21 +66,24 @@ def run(credit, **kw) -> dict:
 # ---------------------------------------------------------------------------------------------- estimates
 
 def test_disagreement_excess_kinds_and_selection_by_hand() -> None:
-    res = run(case_credit())
-    none, main = res["conditionings"]["none"], res["conditionings"]["main"]
+    """Our definitions: value metric, informative conditioning (exact-pass counts not both 0/K or K/K)."""
+    res = run(case_credit(), metric="value")
+    assert res["metric"] == "value" and set(res["metrics"]) == {"sign", "value"}
+    none, main = res["conditionings"]["none"], res["conditionings"]["informative"]
     assert (none["n"], none["n_problems"]) == (8, 4)
     assert none["disagreement"]["exact_vs_refeed"]["estimate"] == 5 / 8
     assert none["disagreement"]["exact_vs_replica"]["estimate"] == 1 / 8
     assert none["disagreement"]["replica_vs_refeed"]["estimate"] == 6 / 8
     assert none["excess_pp"]["estimate"] == pytest.approx(50.0)
 
-    # main drops p8 (exact 0/4 and 0/4)
+    # informative drops p8 (exact 0/4 and 0/4)
     assert (main["n"], main["n_problems"]) == (7, 4)
     assert main["disagreement"]["exact_vs_refeed"]["n_disagree"] == 4
     assert main["disagreement"]["exact_vs_replica"]["estimate"] == pytest.approx(1 / 7)
     assert main["excess_pp"]["estimate"] == pytest.approx(300 / 7)
     assert main["clustered_t"]["coef"] == pytest.approx(3 / 7)
     assert main["clustered_t"]["n_clusters"] == 4
+    assert main["by_metric"]["value"]["excess_pp"] == main["excess_pp"] and main["metric"] == "value"
     kinds = main["kinds_of_change"]["exact_vs_refeed"]
     assert kinds["n_changed"] == 4
     assert [kinds[k]["count"] for k in ("zero_crossing", "reversal", "magnitude")] == [2, 1, 1]
@@ -96,26 +105,138 @@ def test_disagreement_excess_kinds_and_selection_by_hand() -> None:
 
 
 def test_conditioning_subsets_and_eligibility() -> None:
-    res = run(case_credit())
-    ti = res["conditionings"]["treatment_independent"]
+    res = run(case_credit(), metric="value")
+    sel = res["conditionings"]["selector"]
     # the selector, not exact, decides: p5 (selector 4/4 both) out, p8 (exact 0/0, selector informative) in
-    assert ti["n"] == 7
-    assert ti["disagreement"]["exact_vs_refeed"]["estimate"] == pytest.approx(5 / 7)
+    assert sel["n"] == 7
+    assert sel["disagreement"]["exact_vs_refeed"]["estimate"] == pytest.approx(5 / 7)
 
-    # a pivot ineligible in any compared pass leaves every conditioning; selector eligibility only TI
+    # a pivot ineligible in any compared pass leaves every conditioning; selector eligibility only 'selector'
     res = run(case_credit(ineligible={"refeed": ["p1"], "selector": ["p2"]}))
     assert res["conditionings"]["none"]["n"] == 7
-    assert res["conditionings"]["main"]["n"] == 6
-    assert res["conditionings"]["treatment_independent"]["n"] == 5
+    assert res["conditionings"]["informative"]["n"] == 6
+    assert res["conditionings"]["selector"]["n"] == 5
+    assert res["conditionings"]["main"]["n"] == 6  # p7 (zero everywhere) and p1 (ineligible) out
+    assert res["conditionings"]["treatment_independent"]["n"] == 4  # exact nonzero: p3, p4, p5, p6
 
 
-def test_treatment_independent_without_selector_says_why() -> None:
+def test_paper_conditionings_main_and_treatment_independent() -> None:
+    """main: Â nonzero in any of exact, replica, refeed (one denominator); TI: Â^exact nonzero."""
+    res = run(case_credit())
+    assert res["metric"] == "sign" and list(res["conditionings"]) == list(CONDITIONINGS)
+    main, ti = res["conditionings"]["main"], res["conditionings"]["treatment_independent"]
+    # p7 is 0 in every pass: out of main; p8 (exact 0, refeed 0.25) is in, although exact is uninformative
+    assert main["n"] == 7 and main["n_problems"] == 4
+    assert main["disagreement"]["exact_vs_refeed"]["n_disagree"] == 4  # p2, p4, p6, p8
+    assert main["disagreement"]["exact_vs_replica"]["estimate"] == 0.0
+    assert main["excess_pp"]["estimate"] == pytest.approx(400 / 7)
+    # the re-feed alone made p2 and p8 eligible: the reason for the treatment-independent set
+    assert main["eligibility_sources"] == {"n": 7, "only_refeed": 2, "only_replica": 0, "only_exact": 0}
+    # TI keeps p1, p3, p4, p5, p6 (exact nonzero); of these only p4 and p6 change sign under re-feed
+    assert ti["n"] == 5
+    assert ti["disagreement"]["exact_vs_refeed"]["estimate"] == pytest.approx(2 / 5)
+    assert ti["excess_pp"]["estimate"] == pytest.approx(40.0)
+    row = headline_rows({"c": res}).filter(pl.col("conditioning") == "main").row(0, named=True)
+    assert row["metric"] == "sign" and row["ti_excess_pp"] == pytest.approx(40.0)
+    assert row["refeed_polarity_share"] == pytest.approx(1 / 7) and row["floor_polarity_share"] == 0.0
+
+
+def test_sign_and_value_metrics() -> None:
+    a = np.array([0.5, 0.5, 0.0, -0.5, 0.25])
+    b = np.array([0.25, -0.5, 0.25, -0.5, 0.0])
+    # a same-sign change of value (0.5 -> 0.25) counts under value only
+    assert disagree(a, b, "value").tolist() == [True, True, True, False, True]
+    assert disagree(a, b, "sign").tolist() == [False, True, True, False, True]
+    with pytest.raises(ValueError, match="'magnitude'"):
+        disagree(a, b, "magnitude")
+    # both metrics are in every block; the flat keys are the headline metric's
+    res = run(case_credit())
+    main = res["conditionings"]["main"]
+    assert main["by_metric"]["sign"]["disagreement"] == main["disagreement"]
+    assert main["by_metric"]["value"]["disagreement"]["exact_vs_refeed"]["n_disagree"] == 5  # + p1
+    assert main["by_metric"]["value"]["disagreement"]["exact_vs_replica"]["n_disagree"] == 1  # p3
+    assert main["by_metric"]["sign"]["kinds_of_change"]["exact_vs_refeed"]["magnitude"]["count"] == 0
+    assert main["by_metric"]["value"]["kinds_of_change"]["exact_vs_refeed"]["magnitude"]["count"] == 1
+    value_rows = headline_rows({"c": res}, metric="value")
+    assert set(value_rows["metric"].to_list()) == {"value"}
+    assert value_rows.filter(pl.col("conditioning") == "main")["refeed_disagreement"][0] == pytest.approx(5 / 7)
+    with pytest.raises(ValueError, match="metric"):
+        run(case_credit(), metric="values")
+
+
+def test_per_problem_t_weights_problems_equally() -> None:
+    res = run(case_credit())
+    ppt = res["conditionings"]["main"]["per_problem_t"]
+    # main, sign: d_p = 1/2 (A: p2 of p1,p2), 1/2 (B), 1/2 (C), 1/1 (D: p8): mean 0.625, sd 0.25, se 0.125
+    assert ppt["mean"] == pytest.approx(0.625)  # not the pivot-weighted 4/7
+    assert ppt["t"] == pytest.approx(5.0) and ppt["df"] == 3
+    assert ppt["p"] == pytest.approx(2 * stats.t.sf(5.0, 3))
+    assert (ppt["problems_refeed_worse"], ppt["problems_floor_worse"], ppt["problems_equal"]) == (4, 0, 0)
+    # one problem with many pivots counts once: 9 pivots all flipping in P, 1 of 1 in Q and R, none in S
+    groups = np.array(["P"] * 9 + ["Q", "R", "S"])
+    flips = np.array([1] * 9 + [1, 1, 0], dtype=bool)
+    out = per_problem_t(flips, np.zeros(12, bool), groups)
+    assert out["mean"] == pytest.approx(0.75) and out["problems_equal"] == 1
+    flat = per_problem_t(np.zeros(4, bool), np.zeros(4, bool), np.array(["a", "a", "b", "c"]))
+    assert flat["t"] is None and "SE is 0" in flat["reason"] and flat["problems_equal"] == 3
+    assert per_problem_t(np.ones(2, bool), np.zeros(2, bool), np.array(["a", "a"]))["t"] is None
+
+
+def test_mcnemar_on_a_known_case() -> None:
+    # b = 9 pivots where only the re-feed flips, c = 1 where only the replica flips, 5 concordant
+    refeed = np.array([1] * 9 + [0] + [1] * 2 + [0] * 3, dtype=bool)
+    floor = np.array([0] * 9 + [1] + [1] * 2 + [0] * 3, dtype=bool)
+    out = mcnemar_z(refeed, floor)
+    assert (out["b"], out["c"], out["n"]) == (9, 1, 15)
+    assert out["z"] == pytest.approx(8 / np.sqrt(10))
+    assert out["p_exact"] == pytest.approx(2 * stats.binom.cdf(1, 10, 0.5))
+    none = mcnemar_z(np.zeros(3, bool), np.zeros(3, bool))
+    assert none["z"] is None and "no discordant" in none["reason"]
+    main = run(case_credit())["conditionings"]["main"]
+    assert (main["mcnemar"]["b"], main["mcnemar"]["c"], main["mcnemar"]["z"]) == (4, 0, 2.0)
+
+
+def test_mean_zero_unclustered_margin_split_and_sources() -> None:
+    d = np.array([-0.25, 0.25, 0.0, 1.0, 0.0, 0.25, 0.25])
+    out = mean_zero_unclustered(d)
+    se = d.std(ddof=1) / np.sqrt(d.size)
+    assert out["mean"] == pytest.approx(d.mean()) and out["se"] == pytest.approx(se)
+    assert out["t"] == pytest.approx(d.mean() / se)
+    assert (out["ci_lo"], out["ci_hi"]) == (pytest.approx(d.mean() - 1.96 * se), pytest.approx(d.mean() + 1.96 * se))
+    assert mean_zero_unclustered(d, ci=0.9)["ci_hi"] == pytest.approx(d.mean() + stats.norm.ppf(0.95) * se)
+    assert mean_zero_unclustered(np.zeros(3))["t"] is None
+    main = run(case_credit())["conditionings"]["main"]
+    assert main["mean_diff"]["unclustered"]["mean"] == pytest.approx(d.mean())
+
+    split = margin_split(np.array([0.1, 0.2, 0.3, 0.5]), np.array([1, 0, 1, 1], bool), np.array([0, 0, 1, 0], bool),
+                         0.3)
+    assert split["below"] == {"n": 2, "refeed": 0.5, "floor": 0.0, "excess_pp": 50.0}
+    assert split["at_or_above"]["n"] == 2 and split["at_or_above"]["floor"] == 0.5
+    assert main["margin_split"]["below"]["n"] == 7 and main["margin_split"]["at_or_above"]["n"] == 0
+    src = eligibility_sources(np.array([0, 0, 0.5, 0]), np.array([0, 0.25, 0.5, 0]), np.array([0.25, 0, 0, 0]))
+    assert src == {"n": 4, "only_refeed": 1, "only_replica": 1, "only_exact": 0}
+
+
+def test_selector_without_selector_pass_says_why() -> None:
     res = run(case_credit(passes=("exact", "replica", "refeed")))
-    ti = res["conditionings"]["treatment_independent"]
-    assert ti["available"] is False and "selector" in ti["reason"]
-    assert "n" not in ti and "disagreement" not in ti
-    row = headline_rows({"c": res}).filter(pl.col("conditioning") == "treatment_independent").row(0, named=True)
+    sel = res["conditionings"]["selector"]
+    assert sel["available"] is False and "selector" in sel["reason"]
+    assert "n" not in sel and "disagreement" not in sel
+    assert res["conditionings"]["treatment_independent"]["available"] is True  # the paper's needs no selector
+    row = headline_rows({"c": res}).filter(pl.col("conditioning") == "selector").row(0, named=True)
     assert row["n"] is None and row["floor"] is None and "selector" in row["note"]
+
+
+def test_informative_without_counts_is_unavailable_not_a_crash() -> None:
+    credit = {p: df.with_columns(pl.lit(None, dtype=pl.Int64).alias("n_orig_correct"),
+                                 pl.lit(None, dtype=pl.Int64).alias("n_sub_correct"))
+              for p, df in case_credit().items()}
+    res = run(credit)
+    for cond in ("informative", "selector"):
+        block = res["conditionings"][cond]
+        assert block["available"] is False and "per-branch success counts" in block["reason"], cond
+    assert res["conditionings"]["main"]["n"] == 7
+    json.dumps(res)
 
 
 def test_too_few_eligible_pivots_nulls_every_number() -> None:
@@ -127,7 +248,8 @@ def test_too_few_eligible_pivots_nulls_every_number() -> None:
     assert main["disagreement"]["exact_vs_refeed"]["n_disagree"] is None
     assert main["excess_pp"] == {"estimate": None, "ci_lo": None, "ci_hi": None}
     assert main["clustered_t"]["t"] is None and main["clustered_t"]["se"] is None
-    assert main["kinds_of_change"]["exact_vs_refeed"]["zero_crossing"] == {"count": None, "share": None}
+    assert main["kinds_of_change"]["exact_vs_refeed"]["zero_crossing"] == {"count": None, "share": None,
+                                                                           "share_of_n": None}
     assert main["selection"]["at_theta"]["theta"] == 0.5
     assert main["selection"]["at_theta"]["jaccard_refeed"]["estimate"] is None
 
@@ -151,7 +273,7 @@ def test_other_passes_are_compared_against_exact_and_refeed() -> None:
     credit["refeed_text"] = credit["refeed"].with_columns(
         pl.when(pl.col("pivot_id") == "p1").then(0.5).otherwise(pl.col("a_hat")).alias("a_hat"),
         (pl.col("pivot_id") != "p7").alias("eligible"))
-    other = run(credit)["conditionings"]["main"]["other_passes"]["refeed_text"]
+    other = run(credit, metric="value")["conditionings"]["informative"]["other_passes"]["refeed_text"]
     assert other["n"] == 6
     assert other["vs_exact"]["estimate"] == pytest.approx(3 / 6)
     assert other["vs_refeed"]["estimate"] == pytest.approx(1 / 6)
@@ -223,10 +345,15 @@ def test_jaccard_and_empty_sets() -> None:
 def test_classification_of_changes() -> None:
     a = np.array([0.0, 0.5, 0.5, -0.25, 0.25, 0.0, 0.75])
     b = np.array([0.25, 0.0, -0.5, -0.75, 0.25, 0.0, 0.5])
-    out = classify_changes(a, b)
+    out = classify_changes(a, b, "value")
     assert out["n"] == 7 and out["n_changed"] == 5
     assert (out["zero_crossing"]["count"], out["reversal"]["count"], out["magnitude"]["count"]) == (2, 1, 2)
-    assert out["reversal"]["share"] == 0.2
+    assert out["reversal"]["share"] == 0.2 and out["reversal"]["share_of_n"] == pytest.approx(1 / 7)
+    # under the sign metric the two same-sign magnitude changes are agreements
+    sign = classify_changes(a, b)
+    assert sign["metric"] == "sign" and sign["n_changed"] == 3
+    assert (sign["zero_crossing"]["count"], sign["reversal"]["count"], sign["magnitude"]["count"]) == (2, 1, 0)
+    assert sign["zero_crossing"]["share_of_n"] == pytest.approx(2 / 7)
     same = classify_changes(a, a)
     assert same["n_changed"] == 0 and same["zero_crossing"]["share"] is None and "reason" in same
 
@@ -277,11 +404,12 @@ def test_pooled_clusters_are_config_qualified_problems() -> None:
     assert (main["n"], main["n_problems"], main["clustered_t"]["n_clusters"]) == (14, 8, 8)
     assert main["disagreement"]["exact_vs_refeed"]["estimate"] == pytest.approx(8 / 14)
     table = headline_rows({"cfgA": run(per_config["cfgA"]), "pooled": res})
-    assert table.height == 6
+    assert table.height == 2 * len(CONDITIONINGS)
     row = table.filter((pl.col("config") == "pooled") & (pl.col("conditioning") == "main")).row(0, named=True)
     assert row["n"] == 14 and row["excess_pp"] == pytest.approx(main["excess_pp"]["estimate"])
     assert row["jaccard_refeed"] == pytest.approx(main["selection"]["at_theta"]["jaccard_refeed"]["estimate"])
-    assert row["share_zero_crossing"] == 0.5 and row["share_reversal"] == 0.25
+    assert row["share_zero_crossing"] == 0.75 and row["share_reversal"] == 0.25  # sign metric: p2, p6, p8 / p4
+    assert row["t_per_problem"] == main["per_problem_t"]["t"] and row["mcnemar_z"] == main["mcnemar"]["z"]
     assert row["t"] == main["clustered_t"]["t"] and row["mean_diff"] == main["mean_diff"]["cluster"]["coef"]
 
 
@@ -358,6 +486,8 @@ def test_identical_passes_give_exact_zeros_and_no_fake_t() -> None:
     assert main["disagreement"]["exact_vs_replica"]["estimate"] == 0.0
     assert main["excess_pp"] == {"estimate": 0.0, "ci_lo": 0.0, "ci_hi": 0.0}
     assert main["clustered_t"]["t"] is None and "SE is 0" in main["clustered_t"]["reason"]
+    assert main["per_problem_t"]["t"] is None and main["mcnemar"]["z"] is None
+    assert main["by_metric"]["value"]["excess_pp"]["estimate"] == 0.0
     assert main["kinds_of_change"]["exact_vs_refeed"]["n_changed"] == 0
     assert main["selection"]["at_theta"]["jaccard_refeed"]["estimate"] == 1.0
     row = headline_rows({"inv": run(credit)}).filter(pl.col("conditioning") == "main").row(0, named=True)
@@ -368,7 +498,7 @@ def test_no_eligible_pivots_at_all() -> None:
     credit = case_credit(ineligible={"replica": [r[0] for r in CASE]})
     for min_eligible in (0, 5):
         res = run(credit, min_eligible=min_eligible)
-        for cond in ("none", "main", "treatment_independent"):
+        for cond in CONDITIONINGS:
             block = res["conditionings"][cond]
             assert block["n"] == 0 and block["disagreement"]["exact_vs_refeed"]["estimate"] is None
             assert block["clustered_t"]["coef"] is None
@@ -381,3 +511,46 @@ def test_channel_agreement_refuses_duplicated_rows() -> None:
     frame = pl.DataFrame(rows + rows[:1], schema_overrides={"answer": pl.String})
     with pytest.raises(ValueError, match="duplicated"):
         channel_agreement({"exact": frame, "refeed": pl.DataFrame(rows, schema_overrides={"answer": pl.String})}, {})
+
+
+# ------------------------------------------------------------------------------------------- probe channel
+
+def _probe_pass(rows: list[dict], logprob: dict | None = None, ids: dict | None = None, drop: bool = False,
+                null: bool = False) -> pl.DataFrame:
+    """A pass frame with probe columns on the k == 0 rows (overrides by (pivot, branch)), null elsewhere."""
+    out = []
+    for r in rows:
+        r = dict(r)
+        key = (r["pivot_id"], r["branch"])
+        first = r["k"] == 0 and not null
+        r["probe_ids"] = (ids or {}).get(key, [5, 6, 7]) if first else None
+        r["probe_logprob"] = (logprob or {}).get(key, -0.5) if first else None
+        out.append(r)
+    frame = pl.DataFrame(out, schema_overrides={"answer": pl.String, "probe_ids": pl.List(pl.Int64),
+                                                "probe_logprob": pl.Float64})
+    return frame.drop("probe_ids", "probe_logprob") if drop else frame
+
+
+def test_probe_channel_bit_exact_p90_and_divergence() -> None:
+    base = [r for p in ("a", "b", "c", "d") for r in _rows(p, 2, 1)]
+    passes = {
+        "exact": _probe_pass(base),
+        "replica": _probe_pass(base, logprob={("b", "sub"): -0.5 + 2 ** -10}),
+        "refeed": _probe_pass(base, logprob={("a", "orig"): -0.75, ("c", "sub"): -0.625},
+                              ids={("a", "sub"): [5, 6, 8]}),
+        "selector": _probe_pass(base, drop=True),
+        "replica_fresh": _probe_pass(base, null=True),
+    }
+    deltas = probe_deltas(passes)
+    summary = probe_summary(deltas, ["refeed", "replica", "selector", "replica_fresh"])
+    assert summary["replica"]["n"] == 4 and summary["replica"]["bit_exact_share"] == 0.75
+    assert summary["replica"]["divergence_share"] == 0.0
+    # refeed: per-pivot max |delta| = 0.25 (a), 0 (b), 0.125 (c), 0 (d); a's alt-branch probe diverged
+    assert summary["refeed"]["bit_exact_share"] == 0.5 and summary["refeed"]["divergence_share"] == 0.25
+    assert summary["refeed"]["p90_abs_delta"] == 0.25  # an order statistic, not interpolated
+    for name in ("selector", "replica_fresh"):  # columns absent, or present and all null
+        assert summary[name]["recorded"] is False and "not recorded" in summary[name]["reason"]
+    # no probe columns anywhere: "not recorded" in the comparison, not an error
+    res = run(case_credit(), probes=probe_deltas({"exact": _probe_pass(base, drop=True)}))
+    assert all(v["recorded"] is False for v in res["probe"].values())
+    assert run(case_credit(), probes=deltas)["probe"]["refeed"]["bit_exact_share"] == 0.5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from replaynoise.credit import CREDIT_COLUMNS, compute_credit
+from replaynoise.credit import CREDIT_COLUMNS, ELIGIBILITY, compute_credit
 
 K = 4
 
@@ -42,11 +42,12 @@ def test_counts_eligibility_and_lattice_values() -> None:
             + continuation_rows("c", 2, 2, changes={("orig", 0): {"verified": False}})
             + [r for r in continuation_rows("d", 1, 2) if not (r["branch"] == "sub" and r["k"] == 3)]
             + continuation_rows("f", 0, 3, changes={("sub", 0): {"correct": None}}))
-    credit = compute_credit(pass_frame(rows), pivots_frame(ids), K, "exact")
+    credit = compute_credit(pass_frame(rows), pivots_frame(ids), K, "exact", eligibility="finished")
     assert tuple(credit.columns) == CREDIT_COLUMNS
     by = {r["pivot_id"]: r for r in credit.iter_rows(named=True)}
     assert (by["a"]["n_orig_correct"], by["a"]["n_sub_correct"], by["a"]["a_hat"]) == (3, 1, 0.5)
     assert by["a"]["eligible"] and by["a"]["n_rows"] == 8 and by["a"]["n_finished"] == 8
+    # ours (finished): a truncated continuation makes the pivot ineligible
     assert by["b"]["n_finished"] == 7 and not by["b"]["eligible"] and by["b"]["a_hat"] == 1.0
     assert not by["c"]["verified"] and not by["c"]["eligible"]
     assert by["d"]["n_rows"] == 7 and not by["d"]["eligible"]
@@ -93,3 +94,21 @@ def test_credit_grid_reads_files_config_major(tmp_path) -> None:
         "a": {"exact": "a/exact", "refeed": "a/refeed"}, "b": {"exact": "b/exact", "refeed": "b/refeed"}}
     with pytest.raises(ValueError, match="expected 4 credit files, got 3"):
         read_credit_grid(files[:3], ["a", "b"], ["exact", "refeed"])
+
+
+def test_graded_vs_finished_eligibility() -> None:
+    """graded (the paper's, the default) grades truncated continuations; finished (ours) drops the pivot."""
+    ids = ["a", "b", "c", "d"]
+    rows = (continuation_rows("a", 3, 1)
+            + continuation_rows("b", 4, 0, changes={("sub", 2): {"finish_reason": "length"}})
+            + continuation_rows("c", 2, 2, changes={("orig", 0): {"verified": False}})
+            + [r for r in continuation_rows("d", 1, 2) if not (r["branch"] == "orig" and r["k"] == 0)])
+    eligible = {rule: dict(zip(ids, compute_credit(pass_frame(rows), pivots_frame(ids), K, "exact",
+                                                   eligibility=rule)["eligible"].to_list()))
+                for rule in ELIGIBILITY}
+    assert eligible["graded"] == {"a": True, "b": True, "c": False, "d": False}
+    assert eligible["finished"] == {"a": True, "b": False, "c": False, "d": False}
+    default = compute_credit(pass_frame(rows), pivots_frame(ids), K, "exact")
+    assert default["eligible"].to_list() == [True, True, False, False]
+    with pytest.raises(ValueError, match="unknown eligibility rule 'eos'"):
+        compute_credit(pass_frame(rows), pivots_frame(ids), K, "exact", eligibility="eos")

@@ -18,7 +18,7 @@ from replaynoise.engines.base import (
     ContinuationRequest, RolloutRequest, SamplingSettings, VerificationError,
 )
 from replaynoise.engines.hf import HFEngine, load_kv, save_kv
-from replaynoise.pivots import select_pivots
+from replaynoise.pivots import PivotRules, select_pivots
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +37,11 @@ def campaign(model_dir: Path, out: Path, kernels: str, n_problems: int = 3, per_
     """Rollouts and pivots of a few easy problems: what every pass test starts from."""
     engine = engine_for(model_dir, kernels)
     problems = sample_problems(load_problems("simple_addsub", None, out), n_problems, SEED)
+    rules = PivotRules(max_margin=0.3, per_rollout=per_rollout)
     frame = rollouts.generate(engine, problems, config_name=kernels, seed=SEED, sampling=ROLLOUT, style="chat",
                               instruction="Answer in one short sentence that ends with the number.",
-                              max_margin=0.3, kv_dir=out / "kv", work_dir=out / "work")
-    pivots = select_pivots(frame, max_margin=0.3, per_rollout=per_rollout, choose="random", seed=SEED,
-                           config_name=kernels)
+                              rules=rules, kv_dir=out / "kv", work_dir=out / "work", batch_size=2)
+    pivots = select_pivots(frame, rules, seed=SEED, config_name=kernels)
     assert pivots.height >= 2, "too few pivots to test anything: raise max_margin or the problem count"
     return engine, frame, pivots
 
@@ -142,7 +142,7 @@ def test_corrupted_kv_file_is_detected_and_named(stock, tmp_path):
     bad.write_bytes(bytes(data))
     with pytest.raises(VerificationError, match="bad.safetensors"):
         load_kv(bad, row["kv_sha256"])
-    # without a recorded checksum, a changed value inside the prefix still fails the bitwise verification
+    # without a recorded checksum, a changed value inside the prefix shows in the re-step channel
     pivot = pivots.filter(pl.col("problem_id") == row["problem_id"]).row(0, named=True)
     layers = load_kv(row["kv_file"])
     keys = layers[3][0].clone()
@@ -154,6 +154,11 @@ def test_corrupted_kv_file_is_detected_and_named(stock, tmp_path):
     requests = replay.build_requests(pl.DataFrame([pivot]), frame.with_columns(
         kv_file=pl.lit(str(tampered)), kv_sha256=pl.lit(None, pl.Utf8)), pass_name="exact", k=1, seed=SEED,
         config_name="t")
+    assert engine_for_same(engine).prefix_state(requests[0], "decode_kv").restep_match is False
+    # a KV file computed from other token ids than the pivot's prefix is not the decode-time state
+    ids = list(requests[0].prefix_ids)
+    ids[5] += 1
+    save_kv(layers, keys.shape[-2], tampered, ids=ids)
     assert not engine_for_same(engine).prefix_state(requests[0], "decode_kv").verified
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(bytes(data[: len(data) // 2]))

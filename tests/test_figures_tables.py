@@ -9,9 +9,9 @@ import polars as pl
 import pytest
 
 from replaynoise import figures
-from replaynoise.analysis import HEADLINE_SCHEMA, compare_passes, headline_rows
+from replaynoise.analysis import CONDITIONINGS, HEADLINE_SCHEMA, compare_passes, headline_rows
 from replaynoise.credit import CREDIT_COLUMNS
-from replaynoise.tables import PAPER_RANGES, paper_range, tex_escape, write_headline_tables
+from replaynoise.tables import PAPER_RANGES, paper_range, render_table1, tex_escape, write_headline_tables
 
 K = 4
 HASH = "deadbeef01234567"
@@ -63,11 +63,17 @@ def test_tables_carry_hash_paper_ranges_and_na(tmp_path: Path, data) -> None:
     assert texts["tex"].startswith(f"% analysis_hash: {HASH}")
     # the "tiny" configuration has too few pivots: its numbers print as n/a, with the note
     back = pl.read_csv(out["csv"], comment_prefix="#", null_values="n/a", schema_overrides=HEADLINE_SCHEMA)
-    assert back.height == 9 and set(HEADLINE_SCHEMA) <= set(back.columns)
+    assert back.height == 3 * len(CONDITIONINGS) and set(HEADLINE_SCHEMA) <= set(back.columns)
+    assert set(back["metric"].to_list()) == {"sign"} and set(back["conditioning"].to_list()) == set(CONDITIONINGS)
     tiny = back.filter((pl.col("config") == "tiny") & (pl.col("conditioning") == "main")).row(0, named=True)
     assert tiny["floor"] is None and tiny["excess_pp"] is None and "too few eligible pivots" in tiny["note"]
     main = back.filter((pl.col("config") == "cfg_a") & (pl.col("conditioning") == "main")).row(0, named=True)
     assert main["paper_excess_pp"] == "14-28" and main["paper_jaccard_replica_ceiling"] == "0.63-0.96"
+    assert main["paper_t_per_problem"] == "2.9-6.4"
+    header = next(line for line in texts["md"].splitlines() if line.startswith("| config |"))
+    for column in ("metric", "re-feed % (pol.)", "floor % (pol.)", "per-problem t", "OLS t", "McNemar z",
+                   "TI excess pp", "Jaccard re-feed", "Jaccard ceiling"):
+        assert f"| {column} |" in header, column
     assert main["excess_pp"] == pytest.approx(df.filter(
         (pl.col("config") == "cfg_a") & (pl.col("conditioning") == "main"))["excess_pp"][0])
     md_tiny = next(line for line in texts["md"].splitlines() if line.startswith("| tiny | main |"))
@@ -82,6 +88,9 @@ def test_paper_ranges_by_conditioning() -> None:
     assert paper_range("excess_pp", "main") == "14-28"
     assert paper_range("excess_pp", "treatment_independent") == "7-21"
     assert paper_range("excess_pp", "none") == "n/a"
+    assert paper_range("excess_pp", "informative") == "n/a"
+    assert paper_range("excess_pp", "main", "value") == "n/a"  # the paper's ranges are sign-metric numbers
+    assert paper_range("t_per_problem", "main") == "2.9-6.4"
     assert tex_escape("a_b & 50% < 1") == r"a\_b \& 50\% \textless{} 1"
 
 
@@ -136,11 +145,12 @@ def test_margin_bins_cover_all_pivots(data) -> None:
     credits, _ = data
     sel = figures.eligible_frame(credits["cfg_a"], "none")
     edges = figures.margin_bins(sel["margin"].to_numpy(), 4)
-    table = figures.disagreement_by_margin(sel, edges)
-    assert table["n"].sum() == sel.height and table.height == 4
     e, r = sel["a_hat__exact"].to_numpy(), sel["a_hat__refeed"].to_numpy()
-    overall = (table["refeed"] * table["n"]).sum() / table["n"].sum()
-    assert overall == pytest.approx((e != r).mean())
+    for metric, expected in (("sign", (np.sign(e) != np.sign(r)).mean()), ("value", (e != r).mean())):
+        table = figures.disagreement_by_margin(sel, edges, metric)
+        assert table["n"].sum() == sel.height and table.height == 4
+        overall = (table["refeed"] * table["n"]).sum() / table["n"].sum()
+        assert overall == pytest.approx(expected), metric
 
 
 def test_empty_figure_says_why_in_the_analysis_words():
@@ -150,3 +160,15 @@ def test_empty_figure_says_why_in_the_analysis_words():
                                                   "note": "too few eligible pivots (n=4 < min_eligible=10)"}}}}
     assert _no_data_message(results, "main") == "cfg: too few eligible pivots (n=4 < min_eligible=10)"
     assert _no_data_message({}, "main") == NO_DATA
+
+
+def test_table1_layout_names_metric_and_prints_undefined_as_dash(data) -> None:
+    _, results = data
+    text = render_table1(headline_rows(results))
+    lines = text.splitlines()
+    assert "conditioning main, metric sign" in lines[0]
+    assert lines[1].split()[:2] == ["configuration", "n"] and "McNemar z" in lines[1]
+    tiny = next(line for line in lines if line.startswith("tiny"))
+    assert "—" in tiny and "n/a" not in text
+    with pytest.raises(ValueError, match="'nope'"):
+        render_table1(headline_rows(results), conditioning="nope")

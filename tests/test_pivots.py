@@ -8,7 +8,9 @@ import math
 import polars as pl
 import pytest
 
-from replaynoise.pivots import PIVOT_SCHEMA, candidate_positions, choose_pivots, margins, select_pivots
+from replaynoise.pivots import (
+    PIVOT_SCHEMA, PivotRules, candidate_positions, choose_pivots, margins, screened_problems, select_pivots,
+)
 
 MAX_MARGIN = 0.2
 SPECIAL = 0  # e.g. eos
@@ -35,9 +37,10 @@ def base_response(n: int = 4) -> dict:
     }
 
 
-def candidates(r: dict) -> list[int]:
+def candidates(r: dict, **rules) -> list[int]:
     return candidate_positions(r["response_ids"], r["topk_ids"], r["topk_logprobs"], r["special_ids"],
-                               r["answer_span"], r["max_margin"])
+                               r["answer_span"], PivotRules(max_margin=r["max_margin"], **rules),
+                               prompt_len=r.get("prompt_len", 0))
 
 
 # --- candidate_positions --------------------------------------------------------------------------------------
@@ -214,10 +217,9 @@ def rollouts_frame() -> pl.DataFrame:
     return pl.DataFrame(rows, schema=ROLLOUT_SCHEMA)
 
 
-def run(frame: pl.DataFrame, **overrides) -> pl.DataFrame:
-    kwargs = {"max_margin": MAX_MARGIN, "per_rollout": 4, "choose": "random", "seed": 20260614,
-              "config_name": "cfg"} | overrides
-    return select_pivots(frame, **kwargs)
+def run(frame: pl.DataFrame, seed: int = 20260614, problems=None, **overrides) -> pl.DataFrame:
+    rules = PivotRules(**({"max_margin": MAX_MARGIN, "per_rollout": 4, "choose": "random"} | overrides))
+    return select_pivots(frame, rules, seed=seed, config_name="cfg", problems=problems)
 
 
 def test_select_pivots_rows_for_hand_built_rollouts():
@@ -225,9 +227,9 @@ def test_select_pivots_rows_for_hand_built_rollouts():
     assert out.schema == pl.Schema(PIVOT_SCHEMA)
     p1 = out.filter(pl.col("problem_id") == "p1").to_dicts()
     assert p1 == [
-        {"pivot_id": "p1@1", "problem_id": "p1", "t": 1, "margin": pytest.approx(0.1), "rollout_correct": True,
+        {"pivot_id": "p1/r0@1", "problem_id": "p1", "rollout": 0, "t": 1, "margin": pytest.approx(0.1), "rollout_correct": True,
          "prefix_len": 6, "orig_token": 11, "sub_token": 21, "sampled_rank": 0, "n_candidates": 2},
-        {"pivot_id": "p1@3", "problem_id": "p1", "t": 3, "margin": pytest.approx(0.1), "rollout_correct": True,
+        {"pivot_id": "p1/r0@3", "problem_id": "p1", "rollout": 0, "t": 3, "margin": pytest.approx(0.1), "rollout_correct": True,
          "prefix_len": 8, "orig_token": 23, "sub_token": 13, "sampled_rank": 1, "n_candidates": 2},
     ]
     assert out.filter(pl.col("problem_id") == "p2").height == 0
@@ -237,7 +239,7 @@ def test_select_pivots_rows_for_hand_built_rollouts():
     assert p3["t"].to_list() == sorted(p3["t"].to_list())
     assert set(p3["t"].to_list()) <= set(range(1, 8))
     for row in p3.to_dicts():
-        assert row["pivot_id"] == f"p3@{row['t']}"
+        assert row["pivot_id"] == f"p3/r0@{row['t']}"
         assert row["prefix_len"] == 3 + row["t"]
         assert (row["orig_token"], row["sub_token"], row["sampled_rank"]) == (40 + row["t"], 60 + row["t"], 0)
         assert row["margin"] == pytest.approx(0.02 + 0.01 * row["t"])
@@ -272,3 +274,90 @@ def test_select_pivots_does_not_change_its_input():
     before = copy.deepcopy(frame.to_dicts())
     run(frame)
     assert frame.to_dicts() == before
+
+
+# --- the paper's rules (issue 13) ------------------------------------------------------------------------------
+
+PAPER = dict(margin_metric="logprob_gap", substitute="best_other", exclude_special="substitute",
+             exclude_answer_span=False, min_position=0)
+
+
+def test_logprob_gap_is_in_nats_and_a_tie_is_a_candidate():
+    r = base_response(3)
+    r["max_margin"] = 1.0
+    r["topk_logprobs"][0] = [-0.7, -0.7, -3.0]  # a tie: margin 0 < 1.0
+    r["topk_logprobs"][1] = [-0.1, -1.1, -3.0]  # gap exactly 1.0 nats: not below the threshold
+    r["topk_logprobs"][2] = [-0.5, -1.4, -3.0]  # 0.9 nats (p = 0.61 vs 0.25: a prob_gap of 0.36)
+    assert margins(r["topk_logprobs"], "logprob_gap") == pytest.approx([0.0, 1.0, 0.9])
+    assert candidates(r, **PAPER) == [0, 2]
+    r["max_margin"] = 0.3
+    assert candidates(r, min_position=0) == [0]  # ours, prob_gap: 0.57 at t=1 and 0.36 at t=2 are too wide
+
+
+def test_best_other_allows_any_sampled_rank_and_picks_the_best_other_token():
+    r = base_response(3)
+    r["max_margin"] = 1.0
+    _sampled_third(r)
+    assert 2 not in candidates(r, margin_metric="logprob_gap")  # ours: the sampled token must be top-2
+    assert 2 in candidates(r, **PAPER)
+    frame = pl.DataFrame([{"problem_id": "p", "prompt_ids": [1], "response_ids": r["response_ids"],
+                           "topk_ids": r["topk_ids"], "topk_logprobs": r["topk_logprobs"], "special_ids": [SPECIAL],
+                           "answer_span": None, "correct": True}], schema=ROLLOUT_SCHEMA)
+    out = select_pivots(frame, PivotRules(max_margin=1.0, per_rollout=5, choose="earliest", **PAPER), seed=1,
+                        config_name="c").filter(pl.col("t") == 2).row(0, named=True)
+    assert (out["orig_token"], out["sub_token"], out["sampled_rank"]) == (302, 102, 2)
+
+
+def test_special_substitute_is_excluded_but_a_special_top2_that_is_not_the_substitute_is_not():
+    r = base_response(3)
+    r["max_margin"] = 1.0
+    r["topk_ids"][1] = [101, SPECIAL, 301]  # sampled top-1: the substitute would be the special token
+    r["topk_ids"][2] = [SPECIAL, 202, 302]
+    r["response_ids"][2] = SPECIAL  # sampled the special token; the substitute 202 is fine under the paper's rule
+    assert candidates(r, **PAPER) == [0, 2]
+
+
+def test_block_alignment_keeps_offsets_0_to_2_past_a_boundary():
+    r = base_response(40)
+    r["max_margin"] = 1.0
+    r["prompt_len"] = 13  # abs_pos = 13 + t; offsets {0, 1, 2} of 16 at t = 3, 4, 5, 19, 20, 21, 35, 36, 37
+    got = candidates(r, block_size=16, block_offsets=(0, 1, 2), **PAPER)
+    assert got == [3, 4, 5, 19, 20, 21, 35, 36, 37]
+    assert all((13 + t) % 16 in (0, 1, 2) for t in got)
+    assert 6 not in got  # offset 3 from a boundary
+    assert candidates(r, block_size=16, **PAPER) == [3, 19, 35]  # offset 0 only
+
+
+def test_short_rollouts_give_no_pivots_and_earliest_takes_the_first():
+    r = base_response(15)
+    r["max_margin"] = 1.0
+    assert candidates(r, min_response_len=16, **PAPER) == []
+    assert candidates(r, min_response_len=15, **PAPER) == list(range(15))
+    assert choose_pivots([9, 2, 5, 7, 11, 3], [0.0] * 12, 5, "earliest", seed=1) == [2, 3, 5, 7, 9]
+
+
+def test_answer_span_is_excluded_only_under_our_rule():
+    r = base_response(5)
+    r["answer_span"] = (3, 5)
+    assert candidates(r) == [1, 2]
+    assert candidates(r, exclude_answer_span=False) == [1, 2, 3, 4]
+
+
+def test_mixed_screen_keeps_the_fixed_cohort_then_mixed_problems_up_to_keep():
+    rows = [("a", [True, True]), ("b", [False, False]), ("c", [True, True]), ("d", [True, False]),
+            ("e", [False, False]), ("f", [False, True]), ("g", [True, False])]
+    frame = pl.DataFrame([{"problem_id": pid, "rollout": r, "correct": c} for pid, cs in rows
+                          for r, c in enumerate(cs)])
+    assert screened_problems(frame, "none", 0, None) == list("abcdefg")
+    assert screened_problems(frame, "mixed", 2, 2) == ["a", "b", "d", "f"]
+    assert screened_problems(frame, "mixed", 0, None) == ["d", "f", "g"]
+    assert screened_problems(frame, "mixed", 0, 2, skip=4) == ["f", "g"]  # scans from the fifth problem
+
+
+def test_pivots_of_several_rollouts_per_problem_are_told_apart():
+    frame = rollouts_frame().filter(pl.col("problem_id") == "p3")
+    two = pl.concat([frame.with_columns(rollout=pl.lit(r, pl.Int64)) for r in (0, 1)])
+    out = run(two, per_rollout=2, choose="earliest")
+    assert out["pivot_id"].to_list() == ["p3/r0@1", "p3/r0@2", "p3/r1@1", "p3/r1@2"]
+    assert out["rollout"].to_list() == [0, 0, 1, 1]
+    assert run(two, problems=["p1"]).height == 0

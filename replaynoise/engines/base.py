@@ -27,6 +27,13 @@ class RolloutRequest:
     problem_id: str
     prompt_ids: tuple[int, ...]
     seed: int
+    #: which of the problem's rollouts (trunks) this is, 0..N-1
+    rollout: int = 0
+
+    @property
+    def key(self) -> str:
+        """The rollout's name in file names (its stored state is ``<key>.safetensors`` or ``<key>.json``)."""
+        return f"{self.problem_id}.r{self.rollout}"
 
 
 @dataclass
@@ -39,9 +46,10 @@ class Rollout:
     #: top-k of the untempered next-token distribution at each response position
     topk_ids: list[list[int]]
     topk_logprobs: list[list[float]]
-    #: blake2b digest of the full float32 logits vector at each response position (bitwise verification)
+    #: digest of the full float32 logits vector at each response position (``sampling.digest_rows``)
     logits_digests: list[str]
     finish_reason: str
+    rollout: int = 0
     kv_file: str | None = None
     kv_len: int = 0
     kv_sha256: str | None = None
@@ -80,6 +88,9 @@ class ContinuationResult:
     cached_tokens: int | None = None
     #: what ``cached_tokens`` must be for a faithful resume (decode_kv); None where nothing is expected
     expected_cached_tokens: int | None = None
+    #: decode_kv: whether re-stepping the last prefix token over the stored KV reproduced the rollout's logits
+    #: there bitwise (a measured channel, not a gate); None where not measured
+    restep_match: bool | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -92,7 +103,8 @@ class Engine(Protocol):
         self, requests: list[RolloutRequest], sampling: SamplingSettings, kv_dir: Path,
         keep_len: "KeepLen",
     ) -> list[Rollout]:
-        """Sample one rollout per request, token by token after the prompt, keeping decode-time state."""
+        """Sample one rollout per request (together, as one co-scheduled batch), token by token after the
+        prompt, keeping each rollout's decode-time state."""
         ...
 
     def run_batch(

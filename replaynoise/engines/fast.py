@@ -268,12 +268,6 @@ class StaticDecoder:
             self.sampling, self.graph = sampling, None
         return prefix
 
-    def host_buffer(self, vocab: int) -> torch.Tensor:
-        """A reusable (pinned, on CUDA) float32 [rows, vocab] host buffer for first-step logits."""
-        if getattr(self, "_host", None) is None or self._host.shape[-1] != vocab:
-            self._host = torch.empty(self.rows, vocab, dtype=torch.float32, pin_memory=self.device.type == "cuda")
-        return self._host
-
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step, which also advances the inputs to the next one; the first call of a shape runs
         eagerly, the second captures the graph."""

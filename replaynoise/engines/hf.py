@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +21,13 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from replaynoise.engines.base import (
-    ContinuationRequest, ContinuationResult, KeepLen, Rollout, RolloutRequest, SamplingSettings,
+    PREFIX_SOURCES, ContinuationRequest, ContinuationResult, KeepLen, Rollout, RolloutRequest, SamplingSettings,
     VerificationError,
 )
 from replaynoise.engines.fast import StaticDecoder, static_decode_supported, use_fp32_matmul
-from replaynoise.engines.sampling import RowSampler, logits_digest, sample_rows, topk_logprobs
+from replaynoise.engines.sampling import (
+    RowSampler, digest_rows, digest_strings, logits_digest, sample_rows, topk_logprobs, topk_rows,
+)
 from replaynoise.models import eos_token_ids
 from replaynoise.provenance import atomic_path, sha256_file
 
@@ -49,18 +50,22 @@ class PrefixState:
 
     layers: KVLayers
     length: int
+    #: the state is the decode-time state (decode_kv: the recorded file, computed from these ids); re-feed: True
     verified: bool
     kv_maxdiff: list[float] | None
     #: prefix positions taken from stored KV (decode_kv: all of them; a re-feed prefills all: 0)
     cached: int = 0
     expected: int | None = None
+    #: bytes this state holds of its own (decode_kv states are views of the stored file: 0)
+    nbytes: int = 0
+    restep_match: bool | None = None
 
 
 class HFEngine:
     name = "hf"
 
-    def __init__(self, model, tokenizer, *, kernels: str = "stock", topk: int = 5,
-                 prefix_cache_size: int = 512, decode: str = "auto", cpu_matmul: str = "fp32") -> None:
+    def __init__(self, model, tokenizer, *, kernels: str = "stock", topk: int = 5, decode: str = "auto",
+                 cpu_matmul: str = "fp32", cache_gib: float | None = None) -> None:
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
         if decode not in DECODE_MODES:
@@ -83,21 +88,24 @@ class HFEngine:
         self.attention = os.environ.get("REPLAYNOISE_STATIC_ATTENTION", "sdpa")  # sdpa | efficient | gemm
         self.topk = topk
         self.eos_ids = eos_token_ids(model.generation_config, tokenizer)
-        self._states: OrderedDict[tuple, PrefixState] = OrderedDict()
-        self._files: OrderedDict[str, KVLayers] = OrderedDict()
-        self._state_cache_size = prefix_cache_size
+        # Prefix states and stored KV files stay on the device for the pass, within a byte budget each (the
+        # rows of one pivot are spread over many batches by the schedule): 8 GiB on a GPU, 1 GiB on a CPU.
+        budget = int((cache_gib if cache_gib is not None else 8 if self.device.type == "cuda" else 1) * 2**30)
+        self._state_budget = self._file_budget = budget
+        self._states: OrderedDict[tuple, tuple[PrefixState, int]] = OrderedDict()
+        self._files: OrderedDict[str, tuple[tuple[KVLayers, list[int] | None], int]] = OrderedDict()
 
     # ----------------------------------------------------------------------------------------- forwards
     @torch.inference_mode()
     def _step(self, ids: torch.Tensor, cache: DynamicCache, **kwargs) -> torch.Tensor:
-        """One forward; returns float32 logits of the last position of every row, on the CPU, where sampling
-        noise, digests and top-k are computed whatever the device."""
+        """One forward; returns float32 logits of the last position of every row, on the model's device (sampling
+        noise, digests and top-k are computed there, so a GPU never copies a vocabulary per row and step)."""
         out = self.model(input_ids=ids.to(self.device), past_key_values=cache, use_cache=True,
                          logits_to_keep=1, **kwargs)
-        return out.logits[:, -1, :].to(torch.float32).cpu()
+        return out.logits[:, -1, :].to(torch.float32)
 
     def _prefill(self, ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
-        """KV and last logits of a prompt: one forward in stock mode, one forward per token in invariant mode."""
+        """KV and last logits of one prompt: one forward in stock mode, one forward per token in invariant mode."""
         cache = DynamicCache()
         if self.invariant:
             logits = None
@@ -107,21 +115,53 @@ class HFEngine:
             logits = self._step(torch.tensor([ids]), cache)
         return cache, logits[0]
 
+    @torch.inference_mode()
+    def _prefill_batch(self, seqs: list[list[int]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """KV and last logits of many prompts in one left-padded forward, as a serving engine prefills a batch.
+
+        Returns the cache (row r's positions start at ``pads[r]``), float32 logits [rows, vocab] on the device,
+        and the padding mask [rows, longest] on the CPU."""
+        longest = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), longest, dtype=torch.int64)
+        mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            ids[row, longest - len(seq):] = torch.tensor(seq)
+            mask[row, longest - len(seq):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._step(ids, cache, attention_mask=mask.to(self.device), position_ids=positions.to(self.device))
+        padding = (mask == 0).to(self.device)[:, None, :, None]
+        for layer in cache.layers:  # padding's KV is masked out, but 0 * NaN would not be: make it zero
+            if layer.keys.shape[-2] != padding.shape[2]:
+                continue  # a sliding-window layer that kept only its window
+            layer.keys.masked_fill_(padding, 0)
+            layer.values.masked_fill_(padding, 0)
+        return cache, logits, mask
+
     # ----------------------------------------------------------------------------------------- rollouts
+    @torch.inference_mode()
     def generate_rollouts(self, requests: list[RolloutRequest], sampling: SamplingSettings, kv_dir: Path,
                           keep_len: KeepLen) -> list[Rollout]:
+        """All requests as one batch (stock: left-padded prefill, then one decode step for every row at once; each
+        row's own, unpadded decode-time KV is kept); invariant: one token of one row per forward, as before."""
+        if self.invariant:
+            rows = [self._generate_one(req, sampling) for req in requests]
+        elif self.static:
+            rows = self._generate_static(requests, sampling)
+        else:
+            rows = self._generate_dynamic(requests, sampling)
         rollouts = []
-        for req in requests:
-            rollout, cache = self._generate_one(req, sampling)
-            keep = min(keep_len(rollout), cache.get_seq_length())
+        for req, (rollout, layers) in zip(requests, rows):
+            keep = min(keep_len(rollout), layers[0][0].shape[-2])
             if keep > 0:
-                path = Path(kv_dir) / f"{req.problem_id}.safetensors"
-                rollout.kv_sha256 = save_kv(cache_layers(cache), keep, path)
+                path = Path(kv_dir) / f"{req.key}.safetensors"
+                ids = (rollout.prompt_ids + rollout.response_ids)[:keep]
+                rollout.kv_sha256 = save_kv(layers, keep, path, ids=ids)
                 rollout.kv_file, rollout.kv_len = str(path), keep
             rollouts.append(rollout)
         return rollouts
 
-    def _generate_one(self, req: RolloutRequest, sampling: SamplingSettings) -> tuple[Rollout, DynamicCache]:
+    def _generate_one(self, req: RolloutRequest, sampling: SamplingSettings) -> tuple[Rollout, KVLayers]:
         sampler = RowSampler(req.seed, sampling.temperature, sampling.top_p)
         cache, logits = self._prefill(list(req.prompt_ids))
         response, top_ids, top_lps, digests = [], [], [], []
@@ -138,73 +178,228 @@ class HFEngine:
                 break
             if step + 1 < sampling.max_new_tokens:
                 logits = self._step(torch.tensor([[token]]), cache)[0]
-        rollout = Rollout(req.problem_id, list(req.prompt_ids), response, top_ids, top_lps, digests, finish)
-        return rollout, cache
+        rollout = Rollout(req.problem_id, list(req.prompt_ids), response, top_ids, top_lps, digests, finish,
+                          rollout=req.rollout)
+        return rollout, cache_layers(cache)
+
+    def _rollout_of(self, req: RolloutRequest, tokens: list[int], top_ids, top_lps, digests) -> Rollout:
+        """A row's rollout from its sampled tokens (cut after the first end-of-sequence token) and per-step
+        records (host lists, one entry per step)."""
+        end = next((j for j, t in enumerate(tokens) if t in self.eos_ids), None)
+        n = len(tokens) if end is None else end + 1
+        return Rollout(req.problem_id, list(req.prompt_ids), tokens[:n], top_ids[:n], top_lps[:n],
+                       digest_strings(digests[:n]), "length" if end is None else "eos", rollout=req.rollout)
+
+    @torch.inference_mode()
+    def _generate_dynamic(self, requests: list[RolloutRequest], sampling: SamplingSettings
+                          ) -> list[tuple[Rollout, KVLayers]]:
+        """Batched rollouts on an HF DynamicCache; finished rows leave the batch (their KV sliced out first)."""
+        n, steps, k = len(requests), sampling.max_new_tokens, self.topk
+        cache, logits, mask = self._prefill_batch([list(r.prompt_ids) for r in requests])
+        pads = (mask.shape[1] - mask.sum(-1)).tolist()
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=self.device)
+        positions = mask.sum(-1).to(self.device)
+        mask = mask.to(self.device)
+        dev = dict(device=self.device)
+        top_ids = torch.zeros(n, steps, k, dtype=torch.int64, **dev)
+        top_lps = torch.zeros(n, steps, k, dtype=torch.float32, **dev)
+        digests = torch.zeros(n, steps, 2, dtype=torch.int64, **dev)
+        sampled = torch.zeros(n, steps, dtype=torch.int64, **dev)
+        active = torch.arange(n, **dev)
+        out: list = [None] * n
+        for step in range(steps):
+            top_ids[active, step], top_lps[active, step] = topk_rows(logits, k)
+            digests[active, step] = digest_rows(logits)
+            tokens = sample_rows(logits, seeds[active], torch.full_like(active, step), sampling.temperature,
+                                 sampling.top_p)
+            sampled[active, step] = tokens
+            done = torch.isin(tokens, torch.tensor(sorted(self.eos_ids), **dev)) | (step + 1 == steps)
+            if bool(done.any()):
+                rows = active[done].tolist()
+                host = [t[rows, :step + 1].tolist() for t in (sampled, top_ids, top_lps, digests)]
+                for slot, (row, *records) in zip(done.nonzero()[:, 0].tolist(), zip(rows, *host)):
+                    rollout = self._rollout_of(requests[row], *records)
+                    start = pads[row]
+                    length = len(rollout.prompt_ids) + len(rollout.response_ids) - 1
+                    out[row] = (rollout, [(layer.keys[slot:slot + 1, :, start:start + length].clone(),
+                                           layer.values[slot:slot + 1, :, start:start + length].clone())
+                                          for layer in cache.layers])
+                if bool(done.all()):
+                    break
+                keep = (~done).nonzero()[:, 0]
+                cache.batch_select_indices(keep)
+                mask, positions, active, tokens = mask[keep], positions[keep], active[keep], tokens[keep]
+            mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype, **dev)], dim=1)
+            logits = self._step(tokens[:, None], cache, attention_mask=mask, position_ids=positions[:, None])
+            positions = positions + 1
+        return out
+
+    @torch.inference_mode()
+    def _generate_static(self, requests: list[RolloutRequest], sampling: SamplingSettings
+                         ) -> list[tuple[Rollout, KVLayers]]:
+        """Batched rollouts in a static cache: the batch's prompts prefilled together, then one captured graph
+        replay per step for all rows; top-k, digests and tokens stay on the device until the batch ends."""
+        n, steps, k = len(requests), sampling.max_new_tokens, self.topk
+        prompts = [list(r.prompt_ids) for r in requests]
+        cache, logits, mask = self._prefill_batch(prompts)
+        longest = mask.shape[1]
+        dev = dict(device=self.device)
+        top_ids = torch.zeros(n, steps, k, dtype=torch.int64, **dev)
+        top_lps = torch.zeros(n, steps, k, dtype=torch.float32, **dev)
+        digests = torch.zeros(n, steps, 2, dtype=torch.int64, **dev)
+        sampled = torch.zeros(n, steps, dtype=torch.int64, **dev)
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, **dev)
+        top_ids[:, 0], top_lps[:, 0] = topk_rows(logits, k)
+        digests[:, 0] = digest_rows(logits)
+        sampled[:, 0] = sample_rows(logits, seeds, torch.zeros_like(seeds), sampling.temperature, sampling.top_p)
+        layers = [[(layer.keys[r:r + 1, :, longest - len(p):], layer.values[r:r + 1, :, longest - len(p):])
+                   for layer in cache.layers] for r, p in enumerate(prompts)]
+        decoder = self._decoder(n, _bucket(longest + steps + 1))
+        decoder.load(layers, [len(p) for p in prompts], list(range(n)), [r.seed for r in requests],
+                     sampled[:, 0].tolist(), (sampling.temperature, sampling.top_p))
+        del cache, layers
+        decoder.step_no.fill_(1)  # token 0 came from the prefill: the decode samples steps 1, 2, ...
+        eos = torch.tensor(sorted(self.eos_ids), **dev)
+        last = 0
+        for step in range(1, steps):
+            logits, tokens = decoder.step()
+            top_ids[:, step], top_lps[:, step] = topk_rows(logits, k)
+            digests[:, step] = digest_rows(logits)
+            sampled[:, step] = tokens
+            last = step
+            if step % 16 == 15 and bool(torch.isin(sampled[:, :step + 1], eos).any(dim=1).all()):
+                break
+        host = [t[:, :last + 1].tolist() for t in (sampled, top_ids, top_lps, digests)]
+        out = []
+        for row, (req, *records) in enumerate(zip(requests, *host)):
+            rollout = self._rollout_of(req, *records)
+            start = longest - len(rollout.prompt_ids)
+            stop = longest + len(rollout.response_ids) - 1
+            out.append((rollout, [(keys[row:row + 1, :, start:stop].clone(), values[row:row + 1, :, start:stop].clone())
+                                  for keys, values in zip(decoder.keys, decoder.values)]))
+        return out
 
     # ----------------------------------------------------------------------------------------- prefix states
     def prefix_state(self, req: ContinuationRequest, source: str) -> PrefixState:
-        key = (req.pivot_id, source)
-        if key in self._states:
-            self._states.move_to_end(key)
-            return self._states[key]
-        if source == "decode_kv":
-            state = self._decode_state(req)
-        elif source == "refeed_ids":
-            state = self._refeed_state(req, list(req.prefix_ids))
-        elif source == "refeed_text":
-            state = self._refeed_state(req, list(req.text_prefix_ids or req.prefix_ids))
-        else:
+        return self.prefix_states([req], source)[0]
+
+    @torch.inference_mode()
+    def prefix_states(self, requests: list[ContinuationRequest], source: str) -> list[PrefixState]:
+        """The prefix state of every request, built together for the pivots not cached yet (one batched forward
+        for all their re-feed prefills or exact-state re-steps, not one batch-1 forward per pivot)."""
+        if source not in PREFIX_SOURCES:
             raise ValueError(f"unknown prefix source {source!r}")
-        self._states[key] = state
-        if len(self._states) > self._state_cache_size:
-            self._states.popitem(last=False)
-        return state
+        todo = list({req.pivot_id: req for req in requests if (req.pivot_id, source) not in self._states}.values())
+        if todo:
+            if source == "decode_kv":
+                built = [self._decode_state(req) for req in todo]
+                self._restep(todo, built)
+            else:
+                ids = [list(req.text_prefix_ids or req.prefix_ids) if source == "refeed_text" else list(req.prefix_ids)
+                       for req in todo]
+                built = self._refeed_states(todo, ids)
+            for req, state in zip(todo, built):
+                self._remember(self._states, (req.pivot_id, source), state, state.nbytes, self._state_budget)
+        states = []
+        for req in requests:
+            self._states.move_to_end((req.pivot_id, source))
+            states.append(self._states[(req.pivot_id, source)][0])
+        return states
+
+    @staticmethod
+    def _remember(cache: OrderedDict, key, value, nbytes: int, budget: int) -> None:
+        """Keep ``value`` in a least-recently-used cache bounded by bytes (at least the newest entry stays)."""
+        cache[key] = (value, nbytes)
+        total = sum(size for _, size in cache.values())
+        while total > budget and len(cache) > 1:
+            _, (_, size) = cache.popitem(last=False)
+            total -= size
+
+    def _stored(self, kv_file: str, expected_sha256: str | None = None) -> tuple[KVLayers, list[int] | None]:
+        """A rollout's stored KV, loaded (and its checksum checked) once, then kept on the device for the pass."""
+        if kv_file not in self._files:
+            stored = load_kv_file(kv_file, expected_sha256, device=self.device)
+            nbytes = sum(k.nbytes + v.nbytes for k, v in stored[0])
+            self._remember(self._files, kv_file, stored, nbytes, self._file_budget)
+        self._files.move_to_end(kv_file)
+        return self._files[kv_file][0]
 
     def _stored_layers(self, kv_file: str, expected_sha256: str | None = None) -> KVLayers:
-        if kv_file not in self._files:
-            self._files[kv_file] = load_kv(kv_file, expected_sha256, device=self.device)
-            if len(self._files) > 8:
-                self._files.popitem(last=False)
-        return self._files[kv_file]
+        return self._stored(kv_file, expected_sha256)[0]
 
     def _decode_state(self, req: ContinuationRequest) -> PrefixState:
-        """Crop the stored decode-time KV to the pivot and check it reproduces the rollout's step bitwise."""
+        """The stored decode-time KV cropped to the pivot. It is the decode-time state when the file is the one
+        recorded at capture (sha256, checked on load) and the ids it was computed from are the prefix's."""
         if req.kv_file is None:
             raise VerificationError(f"pivot {req.pivot_id}: no stored KV to resume from")
-        stored = self._stored_layers(req.kv_file, req.kv_sha256)
+        stored, ids = self._stored(req.kv_file, req.kv_sha256)
         length = len(req.prefix_ids)
         if stored[0][0].shape[-2] < length:
             raise VerificationError(
                 f"{req.kv_file}: holds {stored[0][0].shape[-2]} positions, pivot {req.pivot_id} needs {length}")
+        same_ids = ids is None or ids[:length] == list(req.prefix_ids)
+        if not same_ids:
+            log.warning("pivot %s: the KV in %s was computed from other token ids than its prefix",
+                        req.pivot_id, req.kv_file)
         layers = [(k[..., :length, :], v[..., :length, :]) for k, v in stored]
-        # Replay the last prefix step over the first length-1 positions: logits and the new KV must match.
-        probe = DynamicCache(ddp_cache_data=[(k[..., :-1, :].clone(), v[..., :-1, :].clone()) for k, v in layers])
-        logits = self._step(torch.tensor([[req.prefix_ids[-1]]]), probe)[0]
-        same_logits = logits_digest(logits) == req.expected_digest
-        same_kv = all(torch.equal(pk[..., -1:, :], k[..., -1:, :]) and torch.equal(pv[..., -1:, :], v[..., -1:, :])
-                      for (pk, pv), (k, v) in zip(cache_layers(probe), layers))
-        if not (same_logits and same_kv):
-            log.warning("pivot %s: stored KV in %s does not reproduce the rollout (logits %s, kv %s)",
-                        req.pivot_id, req.kv_file, same_logits, same_kv)
-        return PrefixState(layers, length, same_logits and same_kv, None, cached=length, expected=length)
+        return PrefixState(layers, length, same_ids, None, cached=length, expected=length, nbytes=0)
 
-    def _refeed_state(self, req: ContinuationRequest, ids: list[int]) -> PrefixState:
-        """Recompute the prefix as a fresh prompt; where the decode KV is stored, record how far it moved."""
-        cache, _ = self._prefill(ids)
-        layers = cache_layers(cache)
-        maxdiff = None
-        if req.kv_file is not None and len(ids) == len(req.prefix_ids):
-            stored = self._stored_layers(req.kv_file, req.kv_sha256)
-            if stored[0][0].shape[-2] >= len(ids):
-                maxdiff = [max(float((k - sk[..., :len(ids), :]).abs().max()),
-                               float((v - sv[..., :len(ids), :]).abs().max()))
-                           for (k, v), (sk, sv) in zip(layers, stored)]
-        return PrefixState(layers, len(ids), True, maxdiff)
+    def _restep(self, requests: list[ContinuationRequest], states: list[PrefixState]) -> None:
+        """The re-step channel: re-run each pivot's last prefix token over its stored KV (all pivots of the
+        batch together; one token per forward in invariant mode) and record whether the logits and the new KV
+        entry reproduce the rollout's bitwise. A rollout made in a batch need not reproduce (other kernels'
+        reduction order), so this measures batch variance; it does not decide which state is used."""
+        if self.invariant:
+            groups = [[i] for i in range(len(states))]
+        else:
+            groups = [list(range(len(states)))]
+        for group in groups:
+            shorter = [PrefixState([(k[..., :-1, :], v[..., :-1, :]) for k, v in states[i].layers],
+                                   states[i].length - 1, True, None) for i in group]
+            cache, mask = _left_padded_cache(shorter)
+            mask = torch.cat([mask, torch.ones(len(group), 1, dtype=mask.dtype)], dim=1)
+            kwargs = {} if self.invariant else {
+                "attention_mask": mask.to(self.device),
+                "position_ids": torch.tensor([[s.length] for s in shorter], device=self.device)}
+            last = torch.tensor([[requests[i].prefix_ids[-1]] for i in group])
+            logits = self._step(last, cache, **kwargs)
+            digests = digest_strings(digest_rows(logits))
+            for slot, i in enumerate(group):
+                same_kv = all(torch.equal(layer.keys[slot, :, -1], k[0, :, -1]) and
+                              torch.equal(layer.values[slot, :, -1], v[0, :, -1])
+                              for layer, (k, v) in zip(cache.layers, states[i].layers))
+                states[i].restep_match = same_kv and digests[slot] == requests[i].expected_digest
+
+    def _refeed_states(self, requests: list[ContinuationRequest], seqs: list[list[int]]) -> list[PrefixState]:
+        """Recompute the prefixes as fresh prompts, prefilled together (invariant: one token at a time, one row
+        at a time); where the decode KV is stored, record how far each moved from it (max |dKV| per layer)."""
+        if self.invariant:
+            parts = [(cache_layers(self._prefill(seq)[0]), [0]) for seq in seqs]
+            rows = [(layers, 0) for layers, _ in parts]
+        else:
+            cache, _, mask = self._prefill_batch(seqs)
+            layers = cache_layers(cache)
+            longest = mask.shape[1]
+            rows = [([(k[r:r + 1, :, longest - len(seq):].clone(), v[r:r + 1, :, longest - len(seq):].clone())
+                      for k, v in layers], 0) for r, seq in enumerate(seqs)]
+        states = []
+        for req, seq, (layers, _) in zip(requests, seqs, rows):
+            maxdiff = None
+            if req.kv_file is not None and len(seq) == len(req.prefix_ids):
+                stored = self._stored_layers(req.kv_file, req.kv_sha256)
+                if stored[0][0].shape[-2] >= len(seq):
+                    maxdiff = torch.stack([torch.maximum((k - sk[..., :len(seq), :]).abs().max(),
+                                                         (v - sv[..., :len(seq), :]).abs().max()).float()
+                                           for (k, v), (sk, sv) in zip(layers, stored)]).tolist()
+            nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+            states.append(PrefixState(layers, len(seq), True, maxdiff, nbytes=nbytes))
+        return states
 
     # ----------------------------------------------------------------------------------------- continuations
+    @torch.inference_mode()
     def run_batch(self, requests: list[ContinuationRequest], source: str,
                   sampling: SamplingSettings) -> list[ContinuationResult]:
-        states = [self.prefix_state(req, source) for req in requests]
+        states = self.prefix_states(requests, source)
         if self.invariant:
             return [self._continue(reqs, sts, sampling)[0] for reqs, sts in
                     (([r], [s]) for r, s in zip(requests, states))]
@@ -212,29 +407,35 @@ class HFEngine:
             return self._continue_static(requests, states, sampling)
         return self._continue(requests, states, sampling)
 
+    def _result(self, tokens: list[int], finish: str, state: PrefixState, first: tuple) -> ContinuationResult:
+        return ContinuationResult(tokens, finish, state.verified, state.length, first[0], first[1], first[2],
+                                  state.kv_maxdiff, cached_tokens=state.cached, expected_cached_tokens=state.expected,
+                                  restep_match=state.restep_match)
+
     def _continue(self, requests: list[ContinuationRequest], states: list[PrefixState],
                   sampling: SamplingSettings) -> list[ContinuationResult]:
         """Decode all rows together from their prefix states; finished rows leave the batch."""
         n = len(requests)
         cache, mask = _left_padded_cache(states)
-        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64)
+        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=self.device)
         positions = torch.tensor([s.length for s in states])
         tokens = torch.tensor([r.branch_token for r in requests])
         active = list(range(n))  # original row index of every row still in the batch
         generated: list[list[int]] = [[] for _ in range(n)]
         finish = ["length"] * n
-        first: list[tuple] = [None] * n
+        first = None
         for step in range(sampling.max_new_tokens):
             mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype)], dim=1)
             kwargs = {} if self.invariant else {
                 "attention_mask": mask.to(self.device), "position_ids": positions[:, None].to(self.device)}
             logits = self._step(tokens[:, None], cache, **kwargs)
+            if step == 0:
+                first = self._first_steps(logits)
             keep = []
-            sampled = sample_rows(logits, seeds[active], torch.full((len(active),), step, dtype=torch.int64),
+            sampled = sample_rows(logits, seeds[active], torch.full((len(active),), step, dtype=torch.int64,
+                                                                    device=self.device),
                                   sampling.temperature, sampling.top_p).tolist()
             for slot, row in enumerate(active):
-                if step == 0:
-                    first[row] = self._first_step(logits[slot])
                 token = sampled[slot]
                 generated[row].append(token)
                 if token in self.eos_ids:
@@ -250,14 +451,12 @@ class HFEngine:
                 active = [active[i] for i in keep]
             tokens = torch.tensor([generated[row][-1] for row in active])
             positions = positions + 1
-        return [ContinuationResult(generated[i], finish[i], states[i].verified, states[i].length,
-                                   first[i][0], first[i][1], first[i][2], states[i].kv_maxdiff,
-                                   cached_tokens=states[i].cached, expected_cached_tokens=states[i].expected)
-                for i in range(n)]
+        return [self._result(generated[i], finish[i], states[i], tuple(f[i] for f in first)) for i in range(n)]
 
-    def _first_step(self, logits: torch.Tensor) -> tuple[list[int], list[float], str]:
-        """Top-k and digest of a row's first continuation step (float32 logits on the CPU)."""
-        return (*topk_logprobs(logits, self.topk), logits_digest(logits))
+    def _first_steps(self, logits: torch.Tensor) -> tuple[list, list, list[str]]:
+        """Top-k and digest of every row's first continuation step, computed on the device, copied once."""
+        ids, values = topk_rows(logits, self.topk)
+        return ids.tolist(), values.tolist(), digest_strings(digest_rows(logits))
 
     def _decoder(self, rows: int, length: int) -> StaticDecoder:
         key = (rows, length)
@@ -280,8 +479,7 @@ class HFEngine:
             unique.setdefault(id(state), len(unique))
         ordered = list({id(s): s for s in states}.values())
         longest = max(s.length for s in states)
-        length = -(-(longest + steps + 1) // 64) * 64  # bucketed, so batches of a pass share one graph
-        decoder = self._decoder(n, length)
+        decoder = self._decoder(n, _bucket(longest + steps + 1))  # bucketed: the batches of a pass share a graph
         decoder.load([s.layers for s in ordered], [s.length for s in ordered], [unique[id(s)] for s in states],
                      [r.seed for r in requests], [r.branch_token for r in requests],
                      (sampling.temperature, sampling.top_p))
@@ -291,48 +489,27 @@ class HFEngine:
         for step in range(steps):
             logits, tokens = decoder.step()
             if step == 0:
-                firsts = self._first_steps(logits, decoder.host_buffer(logits.shape[-1]))  # hashed during decode
+                first_ids, first_lps = topk_rows(logits, self.topk)
+                first_digests = digest_rows(logits)
             out[:, step] = tokens
             if step + 1 == steps:
                 break
             if step % 16 == 15 and bool(torch.isin(out[:, :step + 1], eos).any(dim=1).all()):
                 break
         out = out[:, :step + 1].cpu().tolist()
-        top_ids, top_lps, digests = firsts()
+        firsts = (first_ids.tolist(), first_lps.tolist(), digest_strings(first_digests))
         results = []
         for i, (row, s) in enumerate(zip(out, states)):
             end = next((j for j, t in enumerate(row) if t in self.eos_ids), None)
             tokens_i, finish = (row[:end + 1], "eos") if end is not None else (row, "length")
-            results.append(ContinuationResult(tokens_i, finish, s.verified, s.length, top_ids[i], top_lps[i],
-                                              digests[i], s.kv_maxdiff, cached_tokens=s.cached,
-                                              expected_cached_tokens=s.expected))
+            results.append(self._result(tokens_i, finish, s, tuple(f[i] for f in firsts)))
         return results
 
-    def _first_steps(self, logits: torch.Tensor, host: torch.Tensor):
-        """Top-k (on the device) and digests (blake2b of the float32 bits, on the CPU, in threads that run while
-        the decode continues) of every row's first continuation step; returns a function that collects them."""
-        logits = logits.to(torch.float32)
-        values, ids = torch.topk(torch.log_softmax(logits, dim=-1), self.topk, dim=-1)
-        host.copy_(logits, non_blocking=True)
-        ready = torch.cuda.Event() if self.device.type == "cuda" else None
-        if ready is not None:
-            ready.record()
-        pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 1)))
 
-        def digest_all() -> list[str]:
-            if ready is not None:
-                ready.synchronize()
-            return list(pool.map(logits_digest, host.unbind(0), chunksize=16))
-
-        pending = pool.submit(digest_all)
-        ids, values = ids.cpu().tolist(), values.cpu().tolist()
-
-        def collect():
-            digests = pending.result()
-            pool.shutdown()
-            return ids, values, digests
-
-        return collect
+def _bucket(length: int, step: int = 256) -> int:
+    """Static cache lengths rounded up to a multiple of ``step``: every batch of a pass (and of a rollout step)
+    then shares one decoder, one compiled kernel set and one captured graph."""
+    return -(-length // step) * step
 
 
 def _left_padded_cache(states: list[PrefixState]) -> tuple[DynamicCache, torch.Tensor]:
@@ -357,12 +534,15 @@ def cache_layers(cache: DynamicCache) -> KVLayers:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def save_kv(layers: KVLayers, keep: int, path: Path) -> str:
-    """Store the first ``keep`` positions of a batch-1 cache in its native dtype; return the file's sha256."""
+def save_kv(layers: KVLayers, keep: int, path: Path, ids: list[int] | None = None) -> str:
+    """Store the first ``keep`` positions of a batch-1 cache in its native dtype, with the token ids they were
+    computed from; return the file's sha256 (the content digest a resume checks)."""
     tensors = {}
     for i, (k, v) in enumerate(layers):
         tensors[f"k.{i}"] = k[..., :keep, :].contiguous().cpu()
         tensors[f"v.{i}"] = v[..., :keep, :].contiguous().cpu()
+    if ids is not None:
+        tensors["ids"] = torch.tensor(ids[:keep], dtype=torch.int64)
     with atomic_path(path) as tmp:
         # One metadata key only: safetensors writes metadata in hash-map order, so several keys would make
         # equal caches give different bytes (and different checksums) from run to run.
@@ -372,6 +552,12 @@ def save_kv(layers: KVLayers, keep: int, path: Path) -> str:
 
 def load_kv(path: str | Path, expected_sha256: str | None = None, device: torch.device | str = "cpu") -> KVLayers:
     """Load a stored cache; a file whose checksum or structure is wrong raises an error naming it."""
+    return load_kv_file(path, expected_sha256, device)[0]
+
+
+def load_kv_file(path: str | Path, expected_sha256: str | None = None, device: torch.device | str = "cpu"
+                 ) -> tuple[KVLayers, list[int] | None]:
+    """A stored cache and the token ids it was computed from (None in files written before ids were stored)."""
     if expected_sha256 is not None:
         actual = sha256_file(path)
         if actual != expected_sha256:
@@ -382,8 +568,10 @@ def load_kv(path: str | Path, expected_sha256: str | None = None, device: torch.
         tensors = load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError) as exc:
         raise VerificationError(f"{path}: stored KV cannot be read ({exc})") from exc
+    ids = tensors.pop("ids", None)
     n_layers = len(tensors) // 2
     try:
-        return [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(n_layers)]
+        return [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(n_layers)], (
+            None if ids is None else ids.tolist())
     except KeyError as exc:
         raise VerificationError(f"{path}: stored KV lacks tensor {exc}") from exc

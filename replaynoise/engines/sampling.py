@@ -12,7 +12,7 @@ GPU never sends its logits to the CPU to sample), and a row's noise cannot depen
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import math
 
 import torch
@@ -111,14 +111,44 @@ def _mask_outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.empty_like(scores).scatter_(-1, order, masked)
 
 
+@functools.cache
+def _digest_weights(vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two odd 31-bit weights per vocabulary index (fixed, device-independent values)."""
+    index = torch.arange(vocab, dtype=torch.int64, device=device)
+    return ((_mix32(index + 0x51ED27) >> 1) | 1), ((_mix32(index + 0x2545F491) >> 1) | 1)
+
+
+def digest_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Two 50-bit hashes per row of the exact float32 bits of ``logits`` [rows, vocab], computed where the
+    logits are (no host copy of the vocabulary per step): int64 [rows, 2].
+
+    Each term is (bits * odd weight) mod 2**32, a bijection of a 32-bit value, so changing any one logit always
+    changes the sum; integer sums do not depend on reduction order, so the result is the same on any device."""
+    bits = logits.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & _M32
+    w1, w2 = _digest_weights(bits.shape[-1], str(bits.device))
+    h1 = ((bits * w1) & _M32).sum(-1)
+    h2 = (((bits ^ (bits >> 16)) * w2) & _M32).sum(-1)
+    return torch.stack((h1, h2), dim=-1)
+
+
+def digest_strings(digests) -> list[str]:
+    """``digest_rows`` output (a tensor or nested lists) as one hex string per row."""
+    rows = digests.tolist() if isinstance(digests, torch.Tensor) else digests
+    return [f"{a:013x}{b:013x}" for a, b in rows]
+
+
 def logits_digest(logits: torch.Tensor) -> str:
-    """A digest of the exact bits of a float32 logits vector: equal digests mean bitwise-equal logits."""
-    data = logits.detach().to(torch.float32).contiguous().cpu().numpy().tobytes()
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
+    """The digest of one float32 logits vector [vocab]: equal digests mean bitwise-equal logits."""
+    return digest_strings(digest_rows(logits[None, :]))[0]
+
+
+def topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids and log-probs of the untempered distribution of every row, on the logits' device."""
+    values, ids = torch.topk(torch.log_softmax(logits.to(torch.float32), dim=-1), k, dim=-1)
+    return ids, values
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
     """Top-k ids and log-probs of the untempered distribution, ordered by probability."""
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    values, ids = torch.topk(logprobs, k)
-    return [int(i) for i in ids], [float(v) for v in values]
+    ids, values = topk_rows(logits[None, :], k)
+    return ids[0].tolist(), values[0].tolist()

@@ -195,10 +195,10 @@ class VLLMEngine:
         rollouts = []
         for index, (req, gen) in enumerate(zip(requests, generated)):
             rollout = Rollout(req.problem_id, list(req.prompt_ids), gen.token_ids, gen.topk_ids,
-                              gen.topk_logprobs, chained_digests(gen.raw), gen.finish_reason)
+                              gen.topk_logprobs, chained_digests(gen.raw), gen.finish_reason, rollout=req.rollout)
             keep = keep_len(rollout)
             if keep > 0:
-                path = Path(kv_dir) / f"{req.problem_id}.json"
+                path = Path(kv_dir) / f"{req.key}.json"
                 rollout.kv_sha256 = write_recipe({**recipe, "index": index}, path)
                 rollout.kv_file, rollout.kv_len = str(path), keep
             rollouts.append(rollout)

@@ -8,6 +8,7 @@ rule compute_credit:
     params:
         code=code_version("credit"),
         k=config["replay"]["k"],
+        eligibility=config["analysis"]["eligibility"],
     log:
         f"{LOGS}/compute_credit/{{config}}.{{pass_name}}.log",
     conda:

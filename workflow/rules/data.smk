@@ -7,6 +7,7 @@ rule sample_problems:
         source=config["dataset"]["source"],
         path=config["dataset"]["path"],
         n=config["dataset"]["n_problems"],
+        sample=config["dataset"]["sample"],
         seed=config["seed"],
         cache=PACKAGE_DIR,
     log:

@@ -10,7 +10,7 @@ for _fig in FIGURES_FROM_COMPARISONS:
         output:
             **figure_outputs(_fig),
         params:
-            code=code_version("figures", "analysis", "credit", "provenance"),
+            code=code_version("figures", "analysis", "stats", "credit", "provenance"),
             figure=_fig,
             configs=CONFIGS,
             conditioning=config["figures"]["conditioning"],
@@ -33,12 +33,13 @@ for _fig in FIGURES_FROM_CREDIT:
         output:
             **figure_outputs(_fig),
         params:
-            code=code_version("figures", "analysis", "credit", "provenance"),
+            code=code_version("figures", "analysis", "stats", "credit", "provenance"),
             figure=_fig,
             configs=CONFIGS,
             passes=RUN_PASSES,
             conditioning=config["figures"]["conditioning"],
             margin_bins=config["figures"]["margin_bins"] if _fig == "disagreement_vs_margin" else None,
+            metric=config["analysis"]["metric"] if _fig == "disagreement_vs_margin" else None,
         log:
             f"{LOGS}/figure_{_fig}.log",
         conda:

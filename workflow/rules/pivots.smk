@@ -7,8 +7,9 @@ rule select_pivots:
     params:
         code=code_version("pivots", "seeds"),
         pivots=config["pivots"],
+        screen=config["rollouts"]["screen"],
         seed=config["seed"],
-        align_block=lambda w: settings(w)["block_size"] if config["pivots"]["align_to_block"] else 0,
+        block_size=lambda w: settings(w)["block_size"],
     log:
         f"{LOGS}/select_pivots/{{config}}.log",
     conda:

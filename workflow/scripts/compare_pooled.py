@@ -12,6 +12,8 @@ from replaynoise.provenance import write_json  # noqa: E402
 p, a = snakemake.params, snakemake.params.analysis
 credits = read_credit_grid(list(snakemake.input.credit), p.configs, p.passes)
 result = compare_passes(pool_credit(credits), theta=a["theta"], theta_sweep=None, n_boot=a["n_boot"], seed=p.seed,
-                        min_eligible=a["min_eligible"], ci=a["ci"])
+                        min_eligible=a["min_eligible"], ci=a["ci"], metric=a["metric"],
+                        margin_split=a["margin_split"],
+                        probe_reason="not pooled: the probe channel is in each configuration's comparison.json")
 result.update(config="pooled", configs=list(p.configs), analysis_hash=p.analysis_hash)
 write_json(result, snakemake.output[0])

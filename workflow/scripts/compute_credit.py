@@ -9,5 +9,6 @@ from replaynoise.credit import compute_credit  # noqa: E402
 from replaynoise.provenance import read_parquet, write_parquet  # noqa: E402
 
 credit = compute_credit(read_parquet(snakemake.input.passes), read_parquet(snakemake.input.pivots),
-                        snakemake.params.k, snakemake.wildcards.pass_name)
+                        snakemake.params.k, snakemake.wildcards.pass_name,
+                        eligibility=snakemake.params.eligibility)
 write_parquet(credit, snakemake.output[0])

@@ -15,6 +15,6 @@ if "comparisons" in snakemake.input.keys():
     data = {c: read_json(f) for c, f in zip(p.configs, snakemake.input.comparisons)}
 else:
     data = read_credit_grid(list(snakemake.input.credit), p.configs, p.passes)
-bins = getattr(p, "margin_bins", None)
-extra = {"n_bins": bins} if bins is not None else {}
+extra = {arg: value for arg, key in (("n_bins", "margin_bins"), ("metric", "metric"))
+         if (value := getattr(p, key, None)) is not None}
 plot(data, out.png, out.pdf, conditioning=p.conditioning, **extra)

@@ -9,4 +9,4 @@ from replaynoise.data import load_problems, sample_problems, write_problems  # n
 
 p = snakemake.params
 problems = load_problems(p.source, p.path, Path(p.cache))
-write_problems(sample_problems(problems, p.n, p.seed), snakemake.output[0])
+write_problems(sample_problems(problems, p.n, p.seed, p.sample), snakemake.output[0])

@@ -1,0 +1,80 @@
+"""Generated tokens per second of the workflow's own rules, from a finished run (the path a user runs).
+
+    PYTHONPATH=. python benchmarks/pipeline.py RUN_DIR [--out benchmarks/results/h200-pipeline.json]
+
+RUN_DIR is the workflow's working directory (``--directory``). For every rollout and pass job it reads the
+rule's Snakemake benchmark file (wall seconds of the whole job: start-up, model load, kernel compilation and
+the work) and the table the job wrote (rows and generated tokens), and the log's closing line (seconds of the
+generation loop alone). Rows: {rule, config, model, dtype, rows, generated_tokens, seconds, tokens_per_s,
+loop_seconds, loop_tokens_per_s}, with the commit, the device and the versions of the run (provenance.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import polars as pl
+
+LOOP = re.compile(r": done, (\d+) rows, (\d+) generated tokens in ([\d.]+) s")
+
+
+def loop_seconds(log: Path) -> float | None:
+    found = LOOP.findall(log.read_text(errors="replace")) if log.is_file() else []
+    return sum(float(s) for *_, s in found) if found else None
+
+
+def rows_for(run: Path) -> list[dict]:
+    results = run / "results"
+    config = json.loads((results / "provenance.json").read_text())["config"]
+    out = []
+    for bench in sorted((results / "benchmarks").glob("*/*.tsv")):
+        rule = bench.parent.name
+        if rule == "prepare_model":
+            continue
+        cfg, shard = bench.stem.rsplit(".", 1)
+        seconds = float(pl.read_csv(bench, separator="\t")["s"][0])
+        if rule == "generate_rollouts":
+            table = pl.read_parquet(results / "rollouts" / cfg / "shards" / f"{shard}.parquet")
+            rows, tokens = table.height, int(table["response_ids"].list.len().sum())
+        else:
+            table = pl.read_parquet(results / "passes" / cfg / rule.removeprefix("replay_") / f"{shard}.parquet")
+            rows, tokens = table.height, int(table["n_tokens"].sum())
+        loop = loop_seconds(results / "logs" / rule / f"{cfg}.{shard}.log")
+        settings = config["configs"][cfg]
+        out.append({"rule": rule, "config": cfg, "shard": shard, "model": settings["model"],
+                    "dtype": settings["dtype"], "rows": rows, "generated_tokens": tokens, "seconds": seconds,
+                    "tokens_per_s": tokens / seconds, "loop_seconds": loop,
+                    "loop_tokens_per_s": tokens / loop if loop else None})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    provenance = json.loads((args.run / "results" / "provenance.json").read_text())
+    rows = rows_for(args.run)
+    print(f"{'rule':<22} {'config':<20} {'rows':>7} {'tokens':>9} {'job s':>7} {'tok/s':>8} {'loop s':>7} "
+          f"{'loop tok/s':>10}")
+    for r in rows:
+        loop = f"{r['loop_seconds']:7.1f} {r['loop_tokens_per_s']:10,.0f}" if r["loop_seconds"] else ""
+        print(f"{r['rule']:<22} {r['config']:<20} {r['rows']:>7} {r['generated_tokens']:>9} {r['seconds']:7.1f} "
+              f"{r['tokens_per_s']:8,.0f} {loop}")
+    if args.out:
+        record = {"commit": provenance.get("git", {}), "hardware": provenance.get("hardware"),
+                  "packages": {k: v for k, v in provenance.get("packages", {}).items()
+                               if k in ("torch", "transformers", "vllm", "snakemake", "polars")},
+                  "rows": rows}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

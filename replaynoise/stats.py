@@ -1,0 +1,273 @@
+"""The paper's statistics (arXiv 2606.15621, its harness's ``full_report``), beside which analysis.py keeps ours.
+
+Each function is a pure function of numpy arrays or polars frames, one number set per call, so that the
+analysis (``replaynoise.analysis``) can apply it to any conditioning and either disagreement metric, to our
+own runs and to the paper's published records alike. A number that cannot mean anything (no problems, zero
+variance, no discordant pair) is reported as ``None`` with a reason, never as a misleading value.
+
+This module sits below analysis.py: it imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import polars as pl
+from scipy import stats as sps
+from statsmodels.stats.contingency_tables import mcnemar
+from statsmodels.stats.weightstats import DescrStatsW
+
+#: Disagreement metrics: the paper's (pre-registered) sign metric first, then ours.
+METRICS = ("sign", "value")
+METRIC_DEFINITIONS = {
+    "sign": "the paper's: sign(A_a) != sign(A_b); two different nonzero values of one sign agree",
+    "value": "ours: A_a != A_b; a same-sign change of magnitude is a disagreement",
+}
+#: The probe columns a pass frame may carry (filled on the k == 0 row of each pivot and branch).
+PROBE_COLUMNS = ("probe_ids", "probe_logprob")
+#: The normal 95% quantile as the paper writes it (1.96, not 1.95996...): at the paper's rounding the two give
+#: different pooled lower bounds (-0.02850017 -> -0.029 vs -0.02849985 -> -0.028), so 95% uses the paper's.
+PAPER_Z_95 = 1.96
+PROBE_SCHEMA = {"pivot_id": pl.String, "pass_name": pl.String, "max_abs_delta": pl.Float64,
+                "diverged": pl.Boolean}
+
+
+def json_number(x: Any) -> float | None:
+    """A JSON-safe float: numpy scalars unwrapped, NaN and infinities mapped to None."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def check_metric(metric: str) -> str:
+    if metric not in METRICS:
+        raise ValueError(f"unknown disagreement metric {metric!r}; expected one of {METRICS}")
+    return metric
+
+
+def disagree(a: np.ndarray, b: np.ndarray, metric: str) -> np.ndarray:
+    """Per pivot, whether two estimates disagree under ``metric`` (exact comparisons: Â lives on a lattice)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if check_metric(metric) == "sign":
+        return np.sign(a) != np.sign(b)
+    return a != b
+
+
+# --------------------------------------------------------------------------------------- kinds of change
+
+def classify_changes(a: np.ndarray, b: np.ndarray, metric: str = "sign") -> dict:
+    """Split the disagreements of a and b into zero-boundary crossings, polarity reversals and magnitude-only.
+
+    The estimator is quantized, so a small perturbation most often moves an estimate across 0 (a token looks
+    critical in one pass and neutral in the other) rather than flipping its sign. Under the sign metric a
+    magnitude-only change is not a disagreement, so its count is 0 by definition. ``share`` is of the changed
+    pivots; ``share_of_n`` is of all pivots, as the paper prints its polarity rates.
+    """
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    changed = disagree(a, b, metric)
+    a_c, b_c = a[changed], b[changed]
+    crossing = (a_c == 0) ^ (b_c == 0)
+    both = (a_c != 0) & (b_c != 0)
+    reversal = both & (np.sign(a_c) != np.sign(b_c))
+    magnitude = both & (np.sign(a_c) == np.sign(b_c))
+    n, n_changed = int(a.size), int(changed.sum())
+    out: dict[str, Any] = {"metric": metric, "n": n, "n_changed": n_changed}
+    for key, mask in (("zero_crossing", crossing), ("reversal", reversal), ("magnitude", magnitude)):
+        count = int(mask.sum())
+        out[key] = {"count": count, "share": json_number(count / n_changed) if n_changed else None,
+                    "share_of_n": json_number(count / n) if n else None}
+    if not n_changed:
+        out["reason"] = "no changed estimates: shares undefined"
+    return out
+
+
+# ------------------------------------------------------------------------------------ the paper's tests
+
+def per_problem_t(refeed_flips: np.ndarray, floor_flips: np.ndarray, groups: np.ndarray) -> dict:
+    """The paper's problem-clustered t: a one-sample t over per-problem rate differences, each problem once.
+
+    d_p = (re-feed flips - floor flips) / n_p for every problem with at least one pivot in the set. Weighting
+    problems equally (not pivots, as our OLS on a constant does) is why it differs from ours on the same data
+    (pooled: 5.51 vs 4.98). The sign count says in how many problems re-feed is worse, the floor is worse, or
+    neither.
+    """
+    refeed_flips = np.asarray(refeed_flips, dtype=np.float64)
+    floor_flips = np.asarray(floor_flips, dtype=np.float64)
+    labels, codes = np.unique(np.asarray(groups), return_inverse=True)
+    g = int(labels.size)
+    out: dict[str, Any] = {"t": None, "df": None, "p": None, "mean": None, "se": None, "n_problems": g,
+                           "problems_refeed_worse": None, "problems_floor_worse": None, "problems_equal": None}
+    if g == 0:
+        out["reason"] = "no problems"
+        return out
+    n_p = np.bincount(codes, minlength=g)
+    d = (np.bincount(codes, weights=refeed_flips, minlength=g)
+         - np.bincount(codes, weights=floor_flips, minlength=g)) / n_p
+    out.update(mean=json_number(d.mean()), problems_refeed_worse=int((d > 0).sum()),
+               problems_floor_worse=int((d < 0).sum()), problems_equal=int((d == 0).sum()))
+    if g < 2:
+        out["reason"] = "fewer than 2 problems: t undefined"
+        return out
+    out["df"] = g - 1
+    if np.all(d == d[0]):
+        out.update(se=0.0, reason="all per-problem differences equal: SE is 0, t undefined")
+        return out
+    desc = DescrStatsW(d)
+    t, p, _ = desc.ttest_mean(0.0)
+    out.update(t=json_number(t), p=json_number(p), se=json_number(desc.std_mean))
+    return out
+
+
+def mcnemar_z(refeed_flips: np.ndarray, floor_flips: np.ndarray) -> dict:
+    """McNemar's test of the paired flips (unclustered), as the paper computes it.
+
+    b = re-feed flips where the replica agrees, c = replica flips where the re-feed agrees; z = (b-c)/sqrt(b+c).
+    The exact binomial p (statsmodels) is given beside it. Pivots of one problem are not independent, so this
+    z overstates the evidence; it is reported because the paper's table has it.
+    """
+    r = np.asarray(refeed_flips, dtype=bool)
+    f = np.asarray(floor_flips, dtype=bool)
+    b, c = int((r & ~f).sum()), int((~r & f).sum())
+    out: dict[str, Any] = {"b": b, "c": c, "z": None, "p_exact": None, "n": int(r.size)}
+    if b + c == 0:
+        out["reason"] = "no discordant pivots: z undefined"
+        return out
+    out["z"] = json_number((b - c) / math.sqrt(b + c))
+    out["p_exact"] = json_number(mcnemar([[0, b], [c, 0]], exact=True).pvalue)
+    return out
+
+
+def mean_zero_unclustered(d: np.ndarray, ci: float = 0.95) -> dict:
+    """The paper's mean-zero test of d_i = Â^refeed - Â^exact: mean, plain SE, t, normal CI, no clustering.
+
+    Kept beside our cluster-robust version because the two answer the same question with different
+    independence assumptions (pooled: t -1.23 unclustered vs -1.43 clustered). At ci = 0.95 the interval uses
+    the paper's z = 1.96 (``PAPER_Z_95``), at any other level the exact normal quantile.
+    """
+    d = np.asarray(d, dtype=np.float64)
+    n = int(d.size)
+    out: dict[str, Any] = {"mean": None, "se": None, "t": None, "p": None, "ci_lo": None, "ci_hi": None, "n": n}
+    if n == 0:
+        out["reason"] = "no observations"
+        return out
+    out["mean"] = json_number(d.mean())
+    if n < 2:
+        out["reason"] = "fewer than 2 observations: SE undefined"
+        return out
+    if np.all(d == d[0]):
+        out.update(se=0.0, reason="all values equal: SE is 0, t undefined")
+        return out
+    desc = DescrStatsW(d)
+    se = float(desc.std_mean)
+    half = (PAPER_Z_95 if ci == 0.95 else sps.norm.ppf(0.5 + ci / 2)) * se
+    t = d.mean() / se
+    out.update(se=json_number(se), t=json_number(t), p=json_number(2 * sps.norm.sf(abs(t))),
+               ci_lo=json_number(d.mean() - half), ci_hi=json_number(d.mean() + half))
+    return out
+
+
+def margin_split(margin: np.ndarray, refeed_flips: np.ndarray, floor_flips: np.ndarray, split: float) -> dict:
+    """Re-feed and floor rates below ``split`` and at or above it (the paper: a 0.3 gap, in its margin's unit)."""
+    margin = np.asarray(margin, dtype=np.float64)
+    r = np.asarray(refeed_flips, dtype=np.float64)
+    f = np.asarray(floor_flips, dtype=np.float64)
+    out: dict[str, Any] = {"split": float(split)}
+    for key, mask in (("below", margin < split), ("at_or_above", margin >= split)):
+        n = int(mask.sum())
+        refeed = json_number(r[mask].mean()) if n else None
+        floor = json_number(f[mask].mean()) if n else None
+        out[key] = {"n": n, "refeed": refeed, "floor": floor,
+                    "excess_pp": json_number(100 * (r[mask].mean() - f[mask].mean())) if n else None}
+    return out
+
+
+def eligibility_sources(exact: np.ndarray, replica: np.ndarray, refeed: np.ndarray) -> dict:
+    """Pivots nonzero in exactly one pass: under the paper's main conditioning the re-feed (or the replica)
+    alone can make a pivot eligible, which is why the paper adds the treatment-independent conditioning."""
+    nz = {name: np.asarray(v, dtype=np.float64) != 0 for name, v in
+          (("exact", exact), ("replica", replica), ("refeed", refeed))}
+    only = {}
+    for name, mask in nz.items():
+        first, second = (m for o, m in nz.items() if o != name)
+        only[name] = int((mask & ~first & ~second).sum())
+    return {"n": int(nz["exact"].size), "only_refeed": only["refeed"], "only_replica": only["replica"],
+            "only_exact": only["exact"]}
+
+
+# ------------------------------------------------------------------------------------- probe channel
+
+def _probe_rows(name: str, df: pl.DataFrame) -> pl.DataFrame | None:
+    """The k == 0 probe rows of a pass frame, or None where the frame records no probe (columns absent or null)."""
+    if any(c not in df.columns for c in PROBE_COLUMNS):
+        return None
+    rows = df.filter(pl.col("k") == 0).select(
+        pl.col("pivot_id").cast(pl.String), pl.col("branch").cast(pl.String),
+        pl.col("probe_ids").cast(pl.List(pl.Int64)), pl.col("probe_logprob").cast(pl.Float64))
+    rows = rows.filter(pl.col("probe_logprob").is_not_null() | pl.col("probe_ids").is_not_null())
+    if rows.height == 0:
+        return None
+    if rows.select("pivot_id", "branch").is_duplicated().any():
+        raise ValueError(f"pass frame {name!r} has more than one k == 0 probe row for a (pivot_id, branch)")
+    return rows
+
+
+def probe_deltas(passes: Mapping[str, pl.DataFrame], reference: str = "exact") -> pl.DataFrame:
+    """Per pivot and pass: max over the two branches of |Δ first-probe log-prob| vs the reference, and whether
+    either branch's greedy probe tokens differ from the reference's (the paper's probe channel).
+
+    Passes without probe data contribute no rows, so a frame from before the probe existed reads as "not
+    recorded" downstream instead of failing.
+    """
+    empty = pl.DataFrame(schema=PROBE_SCHEMA)
+    if reference not in passes:
+        return empty
+    ref = _probe_rows(reference, passes[reference])
+    if ref is None:
+        return empty
+    parts = []
+    for name in sorted(passes):
+        if name == reference:
+            continue
+        rows = _probe_rows(name, passes[name])
+        if rows is None:
+            continue
+        joined = ref.join(rows, on=["pivot_id", "branch"], how="inner", suffix="__b")
+        parts.append(joined.group_by("pivot_id", maintain_order=True).agg(
+            (pl.col("probe_logprob") - pl.col("probe_logprob__b")).abs().max().alias("max_abs_delta"),
+            pl.when(pl.col("probe_ids").is_null() | pl.col("probe_ids__b").is_null()).then(None)
+            .otherwise(pl.col("probe_ids") != pl.col("probe_ids__b")).any(ignore_nulls=False).alias("diverged"),
+        ).with_columns(pl.lit(name, dtype=pl.String).alias("pass_name")).select(list(PROBE_SCHEMA)))
+    return pl.concat(parts, how="vertical_relaxed") if parts else empty
+
+
+def probe_summary(deltas: pl.DataFrame | None, passes: list[str], reason: str | None = None) -> dict:
+    """Per compared pass: share of bit-exact first-probe log-probs, p90 of |Δ|, and 32-token divergence share.
+
+    ``deltas`` is ``probe_deltas`` output (or the same columns from the paper's records). A pass with no probe
+    data gets ``recorded: False`` and a reason. The p90 is an order statistic (numpy's "higher", the sorted
+    value at rank ceil(0.9 (n-1))): it reproduces the paper's pooled 3.7e-3 / 4.8e-2, which numpy's default
+    linear interpolation (3.6e-3 / 4.7e-2) does not.
+    """
+    out: dict[str, Any] = {}
+    for name in passes:
+        sub = None if deltas is None else deltas.filter(pl.col("pass_name") == name)
+        if sub is None or sub.height == 0:
+            out[name] = {"recorded": False, "reason": reason or "not recorded (no probe columns in the pass frames)"}
+            continue
+        delta = sub["max_abs_delta"].drop_nulls().to_numpy()
+        div = sub["diverged"].drop_nulls().to_numpy().astype(bool)
+        out[name] = {
+            "recorded": True, "n": sub.height, "n_logprob": int(delta.size),
+            "bit_exact_share": json_number((delta == 0).mean()) if delta.size else None,
+            "p90_abs_delta": json_number(np.quantile(delta, 0.9, method="higher")) if delta.size else None,
+            "max_abs_delta": json_number(delta.max()) if delta.size else None,
+            "n_divergence": int(div.size),
+            "divergence_share": json_number(div.mean()) if div.size else None,
+        }
+    return out
