@@ -178,9 +178,12 @@ class StaticDecoder:
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
         device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
         self.device = device
-        shape = (rows, self.n_kv, length, self.head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in inner.layers]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in inner.layers]
+        # one buffer [layers, 2, rows, kv_heads, length, head_dim]: a batch's prefix KV goes in with one copy per
+        # row (``load`` with stacked states), the layers read and write their views of it
+        self.kv = torch.zeros(len(inner.layers), 2, rows, self.n_kv, length, self.head_dim, device=device,
+                              dtype=dtype)
+        self.keys = [self.kv[i, 0] for i in range(len(inner.layers))]
+        self.values = [self.kv[i, 1] for i in range(len(inner.layers))]
         self.mask = torch.zeros(rows, 1, 1, length, device=device, dtype=torch.bool)
         self.ids = torch.zeros(rows, device=device, dtype=torch.int64)
         self.positions = torch.zeros(rows, device=device, dtype=torch.int64)
@@ -245,17 +248,22 @@ class StaticDecoder:
 
     def load(self, layers: list[list[tuple[torch.Tensor, torch.Tensor]]], lengths: list[int], row_state: list[int],
              seeds: list[int], tokens: list[int], sampling: tuple[float, float]) -> int:
-        """Fill the buffers for a batch: ``layers[s]`` the KV of unique prefix state s, ``row_state[r]`` the state
-        of row r. Returns the common write position (the longest prefix)."""
+        """Fill the buffers for a batch: ``layers[s]`` the KV of unique prefix state s (per-layer (k, v) pairs, or
+        one stacked tensor), ``row_state[r]`` the state of row r. Returns the common write position (the longest
+        prefix). Positions before a row's prefix keep stale values: the mask hides them."""
         prefix = max(lengths)
         if prefix >= self.length:
             raise ValueError(f"prefix of {prefix} positions does not fit a static cache of {self.length}")
-        index = torch.tensor(row_state, device=self.device)
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
-            for buffer, kv in ((keys, 0), (values, 1)):
-                unique = torch.cat([F.pad(state[layer][kv], (0, 0, prefix - n, 0))
-                                    for state, n in zip(layers, lengths)])
-                buffer[:, :, :prefix].copy_(unique.index_select(0, index))
+        if all(isinstance(state, torch.Tensor) for state in layers):  # stacked [layers, 2, 1, kv, n, dim]
+            for row, s in enumerate(row_state):
+                self.kv[:, :, row, :, prefix - lengths[s]:prefix].copy_(layers[s][:, :, 0])
+        else:
+            index = torch.tensor(row_state, device=self.device)
+            for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
+                for buffer, kv in ((keys, 0), (values, 1)):
+                    unique = torch.cat([F.pad(state[layer][kv], (0, 0, prefix - n, 0))
+                                        for state, n in zip(layers, lengths)])
+                    buffer[:, :, :prefix].copy_(unique.index_select(0, index))
         pads = torch.tensor([prefix - lengths[s] for s in row_state], device=self.device)
         slots = torch.arange(self.length, device=self.device)
         self.mask.copy_(((slots[None, :] >= pads[:, None]) & (slots[None, :] < prefix))[:, None, None, :])

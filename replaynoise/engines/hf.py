@@ -59,6 +59,9 @@ class PrefixState:
     #: bytes this state holds of its own (decode_kv states are views of the stored file: 0)
     nbytes: int = 0
     restep_match: bool | None = None
+    #: the same KV stacked, [layers, 2, 1, kv_heads, length, head_dim] (None where layers differ in shape):
+    #: batches are assembled with one copy per row instead of one per row and layer
+    kv: torch.Tensor | None = None
 
 
 class HFEngine:
@@ -252,12 +255,12 @@ class HFEngine:
         top_ids[:, 0], top_lps[:, 0] = topk_rows(logits, k)
         digests[:, 0] = digest_rows(logits)
         sampled[:, 0] = sample_rows(logits, seeds, torch.zeros_like(seeds), sampling.temperature, sampling.top_p)
-        layers = [[(layer.keys[r:r + 1, :, longest - len(p):], layer.values[r:r + 1, :, longest - len(p):])
-                   for layer in cache.layers] for r, p in enumerate(prompts)]
+        stacked = stack_layers(cache_layers(cache))
+        layers = [stacked[:, :, r:r + 1, :, longest - len(p):] for r, p in enumerate(prompts)]
         decoder = self._decoder(n, _bucket(longest + steps + 1))
         decoder.load(layers, [len(p) for p in prompts], list(range(n)), [r.seed for r in requests],
                      sampled[:, 0].tolist(), (sampling.temperature, sampling.top_p))
-        del cache, layers
+        del cache, layers, stacked
         decoder.step_no.fill_(1)  # token 0 came from the prefill: the decode samples steps 1, 2, ...
         eos = torch.tensor(sorted(self.eos_ids), **dev)
         last = 0
@@ -318,14 +321,22 @@ class HFEngine:
     def _stored(self, kv_file: str, expected_sha256: str | None = None) -> tuple[KVLayers, list[int] | None]:
         """A rollout's stored KV, loaded (and its checksum checked) once, then kept on the device for the pass."""
         if kv_file not in self._files:
-            stored = load_kv_file(kv_file, expected_sha256, device=self.device)
-            nbytes = sum(k.nbytes + v.nbytes for k, v in stored[0])
-            self._remember(self._files, kv_file, stored, nbytes, self._file_budget)
+            layers, ids = load_kv_file(kv_file, expected_sha256, device=self.device)
+            stacked = stack_layers(layers)
+            if stacked is not None:
+                layers = [(stacked[i, 0], stacked[i, 1]) for i in range(len(layers))]
+            nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+            self._remember(self._files, kv_file, (layers, ids, stacked), nbytes, self._file_budget)
         self._files.move_to_end(kv_file)
-        return self._files[kv_file][0]
+        layers, ids, _ = self._files[kv_file][0]
+        return layers, ids
 
     def _stored_layers(self, kv_file: str, expected_sha256: str | None = None) -> KVLayers:
         return self._stored(kv_file, expected_sha256)[0]
+
+    def _stored_stack(self, kv_file: str, expected_sha256: str | None = None) -> torch.Tensor | None:
+        self._stored(kv_file, expected_sha256)
+        return self._files[kv_file][0][2]
 
     def _decode_state(self, req: ContinuationRequest) -> PrefixState:
         """The stored decode-time KV cropped to the pivot. It is the decode-time state when the file is the one
@@ -342,7 +353,9 @@ class HFEngine:
             log.warning("pivot %s: the KV in %s was computed from other token ids than its prefix",
                         req.pivot_id, req.kv_file)
         layers = [(k[..., :length, :], v[..., :length, :]) for k, v in stored]
-        return PrefixState(layers, length, same_ids, None, cached=length, expected=length, nbytes=0)
+        stacked = self._stored_stack(req.kv_file, req.kv_sha256)
+        return PrefixState(layers, length, same_ids, None, cached=length, expected=length, nbytes=0,
+                           kv=None if stacked is None else stacked[..., :length, :])
 
     def _restep(self, requests: list[ContinuationRequest], states: list[PrefixState]) -> None:
         """The re-step channel: re-run each pivot's last prefix token over its stored KV (all pivots of the
@@ -355,7 +368,8 @@ class HFEngine:
             groups = [list(range(len(states)))]
         for group in groups:
             shorter = [PrefixState([(k[..., :-1, :], v[..., :-1, :]) for k, v in states[i].layers],
-                                   states[i].length - 1, True, None) for i in group]
+                                   states[i].length - 1, True, None,
+                                   kv=None if states[i].kv is None else states[i].kv[..., :-1, :]) for i in group]
             cache, mask = _left_padded_cache(shorter)
             mask = torch.cat([mask, torch.ones(len(group), 1, dtype=mask.dtype)], dim=1)
             kwargs = {} if self.invariant else {
@@ -364,35 +378,37 @@ class HFEngine:
             last = torch.tensor([[requests[i].prefix_ids[-1]] for i in group])
             logits = self._step(last, cache, **kwargs)
             digests = digest_strings(digest_rows(logits))
+            new = torch.stack([torch.stack((layer.keys[:, :, -1], layer.values[:, :, -1])) for layer in cache.layers])
+            old = torch.stack([torch.stack([torch.stack((k[0, :, -1], v[0, :, -1])) for k, v in states[i].layers])
+                               if states[i].kv is None else states[i].kv[:, :, 0, :, -1] for i in group], dim=2)
+            same_kv = (new == old).flatten(3).all(-1).all(1).all(0).tolist()  # [L, 2, rows, ...] -> [rows]
             for slot, i in enumerate(group):
-                same_kv = all(torch.equal(layer.keys[slot, :, -1], k[0, :, -1]) and
-                              torch.equal(layer.values[slot, :, -1], v[0, :, -1])
-                              for layer, (k, v) in zip(cache.layers, states[i].layers))
-                states[i].restep_match = same_kv and digests[slot] == requests[i].expected_digest
+                states[i].restep_match = same_kv[slot] and digests[slot] == requests[i].expected_digest
 
     def _refeed_states(self, requests: list[ContinuationRequest], seqs: list[list[int]]) -> list[PrefixState]:
         """Recompute the prefixes as fresh prompts, prefilled together (invariant: one token at a time, one row
         at a time); where the decode KV is stored, record how far each moved from it (max |dKV| per layer)."""
         if self.invariant:
-            parts = [(cache_layers(self._prefill(seq)[0]), [0]) for seq in seqs]
-            rows = [(layers, 0) for layers, _ in parts]
+            stacks = [stack_layers(cache_layers(self._prefill(seq)[0])) for seq in seqs]
         else:
             cache, _, mask = self._prefill_batch(seqs)
-            layers = cache_layers(cache)
-            longest = mask.shape[1]
-            rows = [([(k[r:r + 1, :, longest - len(seq):].clone(), v[r:r + 1, :, longest - len(seq):].clone())
-                      for k, v in layers], 0) for r, seq in enumerate(seqs)]
-        states = []
-        for req, seq, (layers, _) in zip(requests, seqs, rows):
-            maxdiff = None
+            whole, longest = stack_layers(cache_layers(cache)), mask.shape[1]
+            del cache
+            stacks = [whole[:, :, r:r + 1, :, longest - len(seq):] for r, seq in enumerate(seqs)]
+        states, diffs = [], []
+        for req, seq, kv in zip(requests, seqs, stacks):
+            diff = None
             if req.kv_file is not None and len(seq) == len(req.prefix_ids):
-                stored = self._stored_layers(req.kv_file, req.kv_sha256)
-                if stored[0][0].shape[-2] >= len(seq):
-                    maxdiff = torch.stack([torch.maximum((k - sk[..., :len(seq), :]).abs().max(),
-                                                         (v - sv[..., :len(seq), :]).abs().max()).float()
-                                           for (k, v), (sk, sv) in zip(layers, stored)]).tolist()
-            nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-            states.append(PrefixState(layers, len(seq), True, maxdiff, nbytes=nbytes))
+                stored = self._stored_stack(req.kv_file, req.kv_sha256)
+                if stored is not None and stored.shape[-2] >= len(seq):
+                    diff = (kv - stored[..., :len(seq), :]).abs().flatten(1).amax(-1).float()  # per layer
+            diffs.append(diff)
+            layers = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+            states.append(PrefixState(layers, len(seq), True, None, nbytes=kv.numel() * kv.element_size(), kv=kv))
+        measured = [i for i, d in enumerate(diffs) if d is not None]
+        if measured:  # one host copy for all
+            for i, values in zip(measured, torch.stack([diffs[i] for i in measured]).tolist()):
+                states[i].kv_maxdiff = values
         return states
 
     # ----------------------------------------------------------------------------------------- continuations
@@ -480,7 +496,9 @@ class HFEngine:
         ordered = list({id(s): s for s in states}.values())
         longest = max(s.length for s in states)
         decoder = self._decoder(n, _bucket(longest + steps + 1))  # bucketed: the batches of a pass share a graph
-        decoder.load([s.layers for s in ordered], [s.length for s in ordered], [unique[id(s)] for s in states],
+        stacked = all(s.kv is not None for s in ordered)
+        decoder.load([s.kv if stacked else s.layers for s in ordered], [s.length for s in ordered],
+                     [unique[id(s)] for s in states],
                      [r.seed for r in requests], [r.branch_token for r in requests],
                      (sampling.temperature, sampling.top_p))
         out = torch.empty(n, steps, dtype=torch.int64, device=self.device)
@@ -516,6 +534,13 @@ def _left_padded_cache(states: list[PrefixState]) -> tuple[DynamicCache, torch.T
     """One cache for rows of different prefix lengths: each row right-aligned, padding masked out."""
     longest = max(s.length for s in states)
     mask = torch.zeros(len(states), longest, dtype=torch.long)
+    if all(s.kv is not None for s in states):  # one copy per row into one buffer, views per layer
+        first = states[0].kv
+        buffer = first.new_zeros(first.shape[0], 2, len(states), first.shape[3], longest, first.shape[5])
+        for row, state in enumerate(states):
+            buffer[:, :, row, :, longest - state.length:] = state.kv[:, :, 0]
+            mask[row, longest - state.length:] = 1
+        return DynamicCache(ddp_cache_data=[(buffer[i, 0], buffer[i, 1]) for i in range(buffer.shape[0])]), mask
     layers = []
     for layer in range(len(states[0].layers)):
         keys, values = [], []
@@ -532,6 +557,14 @@ def _left_padded_cache(states: list[PrefixState]) -> tuple[DynamicCache, torch.T
 
 def cache_layers(cache: DynamicCache) -> KVLayers:
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def stack_layers(layers: KVLayers) -> torch.Tensor | None:
+    """Per-layer KV as one tensor [layers, 2, batch, kv_heads, positions, head_dim]; None where the layers'
+    shapes differ (sliding-window layers that keep only their window)."""
+    if any(k.shape != layers[0][0].shape or v.shape != k.shape for k, v in layers):
+        return None
+    return torch.stack([torch.stack((k, v)) for k, v in layers])
 
 
 def save_kv(layers: KVLayers, keep: int, path: Path, ids: list[int] | None = None) -> str:
