@@ -18,6 +18,11 @@ import sys
 from pathlib import Path
 
 import polars as pl
+import yaml
+from importlib.metadata import version
+
+from replaynoise.config import validate_config
+from replaynoise.provenance import hardware
 
 LOOP = re.compile(r": done, (\d+) rows, (\d+) generated tokens in ([\d.]+) s")
 
@@ -27,21 +32,23 @@ def loop_seconds(log: Path) -> float | None:
     return sum(float(s) for *_, s in found) if found else None
 
 
-def rows_for(run: Path) -> list[dict]:
+def rows_for(run: Path, config: dict) -> list[dict]:
     results = run / "results"
-    config = json.loads((results / "provenance.json").read_text())["config"]
     out = []
     for bench in sorted((results / "benchmarks").glob("*/*.tsv")):
         rule = bench.parent.name
         if rule == "prepare_model":
             continue
         cfg, shard = bench.stem.rsplit(".", 1)
+        table_file = (results / "rollouts" / cfg / "shards" / f"{shard}.parquet" if rule == "generate_rollouts"
+                      else results / "passes" / cfg / rule.removeprefix("replay_") / f"{shard}.parquet")
+        if not table_file.is_file():
+            continue  # the job did not finish
         seconds = float(pl.read_csv(bench, separator="\t")["s"][0])
+        table = pl.read_parquet(table_file)
         if rule == "generate_rollouts":
-            table = pl.read_parquet(results / "rollouts" / cfg / "shards" / f"{shard}.parquet")
             rows, tokens = table.height, int(table["response_ids"].list.len().sum())
         else:
-            table = pl.read_parquet(results / "passes" / cfg / rule.removeprefix("replay_") / f"{shard}.parquet")
             rows, tokens = table.height, int(table["n_tokens"].sum())
         loop = loop_seconds(results / "logs" / rule / f"{cfg}.{shard}.log")
         settings = config["configs"][cfg]
@@ -56,9 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", type=Path)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--configfile", type=Path, default=None,
+                    help="the run's configuration, where the run has no provenance.json yet (it did not finish)")
+    ap.add_argument("--commit", default=None, help="the commit measured, where the run directory cannot tell")
     args = ap.parse_args(argv)
-    provenance = json.loads((args.run / "results" / "provenance.json").read_text())
-    rows = rows_for(args.run)
+    path = args.run / "results" / "provenance.json"
+    provenance = json.loads(path.read_text()) if path.is_file() else {
+        "config": validate_config(yaml.safe_load(args.configfile.read_text())), "hardware": hardware(),
+        "packages": {name: version(name) for name in ("torch", "transformers", "snakemake", "polars")},
+        "git": {"note": "no provenance.json: the run did not finish"}}
+    rows = rows_for(args.run, provenance["config"])
     print(f"{'rule':<22} {'config':<20} {'rows':>7} {'tokens':>9} {'job s':>7} {'tok/s':>8} {'loop s':>7} "
           f"{'loop tok/s':>10}")
     for r in rows:
@@ -66,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['rule']:<22} {r['config']:<20} {r['rows']:>7} {r['generated_tokens']:>9} {r['seconds']:7.1f} "
               f"{r['tokens_per_s']:8,.0f} {loop}")
     if args.out:
-        record = {"commit": provenance.get("git", {}), "hardware": provenance.get("hardware"),
+        record = {"commit": args.commit or provenance.get("git", {}), "hardware": provenance.get("hardware"),
                   "packages": {k: v for k, v in provenance.get("packages", {}).items()
                                if k in ("torch", "transformers", "vllm", "snakemake", "polars")},
                   "rows": rows}

@@ -490,20 +490,24 @@ class HFEngine:
         """Decode all rows together in a static cache (one graph replay per step); a row's tokens after its
         end-of-sequence token are dropped. Checks for all-finished only every few steps (each check syncs)."""
         n, steps = len(requests), sampling.max_new_tokens
+        length = _bucket(max(s.length for s in states) + steps + 1)  # bucketed: the batches of a pass share a graph
+        rows = max([n] + [r for r, l in self._decoders if l == length])
+        if rows > n:  # a short last batch runs in the decoder (graph, compiled kernels) already made, padded with
+            # copies of its first row whose results are dropped: no second compilation and capture per pass
+            requests = requests + [requests[0]] * (rows - n)
+            states = states + [states[0]] * (rows - n)
         unique: dict[int, int] = {}
         for state in states:
             unique.setdefault(id(state), len(unique))
         ordered = list({id(s): s for s in states}.values())
-        longest = max(s.length for s in states)
-        decoder = self._decoder(n, _bucket(longest + steps + 1))  # bucketed: the batches of a pass share a graph
+        decoder = self._decoder(rows, length)
         stacked = all(s.kv is not None for s in ordered)
         decoder.load([s.kv if stacked else s.layers for s in ordered], [s.length for s in ordered],
                      [unique[id(s)] for s in states],
                      [r.seed for r in requests], [r.branch_token for r in requests],
                      (sampling.temperature, sampling.top_p))
-        out = torch.empty(n, steps, dtype=torch.int64, device=self.device)
+        out = torch.empty(rows, steps, dtype=torch.int64, device=self.device)
         eos = torch.tensor(sorted(self.eos_ids), device=self.device)
-        firsts = None
         for step in range(steps):
             logits, tokens = decoder.step()
             if step == 0:
@@ -514,8 +518,8 @@ class HFEngine:
                 break
             if step % 16 == 15 and bool(torch.isin(out[:, :step + 1], eos).any(dim=1).all()):
                 break
-        out = out[:, :step + 1].cpu().tolist()
-        firsts = (first_ids.tolist(), first_lps.tolist(), digest_strings(first_digests))
+        out = out[:n, :step + 1].cpu().tolist()
+        firsts = (first_ids[:n].tolist(), first_lps[:n].tolist(), digest_strings(first_digests[:n]))
         results = []
         for i, (row, s) in enumerate(zip(out, states)):
             end = next((j for j, t in enumerate(row) if t in self.eos_ids), None)
