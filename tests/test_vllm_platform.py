@@ -8,7 +8,7 @@ import yaml
 from replaynoise.config import ConfigError, DEFAULT_CONFIG_PATH, validate_config
 from replaynoise.engines import make_engine
 from replaynoise.engines.vllm import PlatformError, check_invariant_platform
-from replaynoise.pivots import aligned
+from replaynoise.pivots import PivotRules, candidate_positions
 
 NAME = "smollm2-bf16"
 
@@ -52,5 +52,7 @@ def test_invariant_needs_compute_capability_8(capability, ok):
 
 def test_alignment_keeps_positions_whose_prefix_fills_whole_blocks():
     # prompt of 30 tokens, blocks of 32: prefix prompt + response[:t] has 30 + t tokens; t = 2, 34 fill blocks
-    assert aligned([1, 2, 3, 33, 34], prompt_len=30, block=32) == [2, 34]
-    assert aligned([1, 2, 3], prompt_len=30, block=0) == [1, 2, 3]
+    n = 40
+    args = ([7] * n, [[7, 8, 9]] * n, [[-0.6, -0.8, -3.0]] * n, set(), None)
+    assert candidate_positions(*args, PivotRules(block_size=32), prompt_len=30) == [2, 34]
+    assert candidate_positions(*args, PivotRules(block_size=0), prompt_len=30) == list(range(1, n))

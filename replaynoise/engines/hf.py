@@ -56,8 +56,6 @@ class PrefixState:
     #: prefix positions taken from stored KV (decode_kv: all of them; a re-feed prefills all: 0)
     cached: int = 0
     expected: int | None = None
-    #: bytes this state holds of its own (decode_kv states are views of the stored file: 0)
-    nbytes: int = 0
     restep_match: bool | None = None
     #: the same KV stacked, [layers, 2, 1, kv_heads, length, head_dim] (None where layers differ in shape):
     #: batches are assembled with one copy per row instead of one per row and layer
@@ -91,11 +89,10 @@ class HFEngine:
         self.attention = os.environ.get("REPLAYNOISE_STATIC_ATTENTION", "sdpa")  # sdpa | efficient | gemm
         self.topk = topk
         self.eos_ids = eos_token_ids(model.generation_config, tokenizer)
-        # Prefix states and stored KV files stay on the device for the pass, within a byte budget each (the
-        # rows of one pivot are spread over many batches by the schedule): 8 GiB on a GPU, 1 GiB on a CPU.
-        budget = int((cache_gib if cache_gib is not None else 8 if self.device.type == "cuda" else 1) * 2**30)
-        self._state_budget = self._file_budget = budget
-        self._states: OrderedDict[tuple, tuple[PrefixState, int]] = OrderedDict()
+        # Stored KV files stay on the device for the pass, within a byte budget (the rows of one pivot are spread
+        # over many batches by the schedule): 8 GiB on a GPU, 1 GiB on a CPU.
+        self._file_budget = int((cache_gib if cache_gib is not None else 8 if self.device.type == "cuda" else 1)
+                                * 2**30)
         self._files: OrderedDict[str, tuple[tuple[KVLayers, list[int] | None], int]] = OrderedDict()
 
     # ----------------------------------------------------------------------------------------- forwards
@@ -288,26 +285,24 @@ class HFEngine:
 
     @torch.inference_mode()
     def prefix_states(self, requests: list[ContinuationRequest], source: str) -> list[PrefixState]:
-        """The prefix state of every request, built together for the pivots not cached yet (one batched forward
-        for all their re-feed prefills or exact-state re-steps, not one batch-1 forward per pivot)."""
+        """The prefix state of every request, built together for the batch's pivots (one batched forward for
+        all their re-feed prefills or exact-state re-steps, not one batch-1 forward per pivot).
+
+        Built anew for every batch, from the batch alone: a state kept from an earlier batch would make a
+        batch's numbers depend on which batches ran before it in this process, so a resumed pass would differ
+        from an uninterrupted one. (The stored KV files are kept: loading is exact.)"""
         if source not in PREFIX_SOURCES:
             raise ValueError(f"unknown prefix source {source!r}")
-        todo = list({req.pivot_id: req for req in requests if (req.pivot_id, source) not in self._states}.values())
-        if todo:
-            if source == "decode_kv":
-                built = [self._decode_state(req) for req in todo]
-                self._restep(todo, built)
-            else:
-                ids = [list(req.text_prefix_ids or req.prefix_ids) if source == "refeed_text" else list(req.prefix_ids)
-                       for req in todo]
-                built = self._refeed_states(todo, ids)
-            for req, state in zip(todo, built):
-                self._remember(self._states, (req.pivot_id, source), state, state.nbytes, self._state_budget)
-        states = []
-        for req in requests:
-            self._states.move_to_end((req.pivot_id, source))
-            states.append(self._states[(req.pivot_id, source)][0])
-        return states
+        todo = list({req.pivot_id: req for req in requests}.values())
+        if source == "decode_kv":
+            built = [self._decode_state(req) for req in todo]
+            self._restep(todo, built)
+        else:
+            ids = [list(req.text_prefix_ids or req.prefix_ids) if source == "refeed_text" else list(req.prefix_ids)
+                   for req in todo]
+            built = self._refeed_states(todo, ids)
+        by_pivot = {req.pivot_id: state for req, state in zip(todo, built)}
+        return [by_pivot[req.pivot_id] for req in requests]
 
     @staticmethod
     def _remember(cache: OrderedDict, key, value, nbytes: int, budget: int) -> None:
@@ -354,7 +349,7 @@ class HFEngine:
                         req.pivot_id, req.kv_file)
         layers = [(k[..., :length, :], v[..., :length, :]) for k, v in stored]
         stacked = self._stored_stack(req.kv_file, req.kv_sha256)
-        return PrefixState(layers, length, same_ids, None, cached=length, expected=length, nbytes=0,
+        return PrefixState(layers, length, same_ids, None, cached=length, expected=length,
                            kv=None if stacked is None else stacked[..., :length, :])
 
     def _restep(self, requests: list[ContinuationRequest], states: list[PrefixState]) -> None:
@@ -404,7 +399,7 @@ class HFEngine:
                     diff = (kv - stored[..., :len(seq), :]).abs().flatten(1).amax(-1).float()  # per layer
             diffs.append(diff)
             layers = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
-            states.append(PrefixState(layers, len(seq), True, None, nbytes=kv.numel() * kv.element_size(), kv=kv))
+            states.append(PrefixState(layers, len(seq), True, None, kv=kv))
         measured = [i for i, d in enumerate(diffs) if d is not None]
         if measured:  # one host copy for all
             for i, values in zip(measured, torch.stack([diffs[i] for i in measured]).tolist()):

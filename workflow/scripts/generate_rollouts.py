@@ -9,7 +9,7 @@ from replaynoise import rollouts  # noqa: E402
 from replaynoise.engines import make_engine  # noqa: E402
 from replaynoise.engines.base import SamplingSettings  # noqa: E402
 from replaynoise.pivots import PivotRules  # noqa: E402
-from replaynoise.provenance import read_parquet, remove_scratch, stable_hash, write_parquet  # noqa: E402
+from replaynoise.provenance import read_parquet, remove_scratch, sha256_file, stable_hash, write_parquet  # noqa: E402
 from replaynoise.shards import problem_range, shard_index  # noqa: E402
 
 p, s = snakemake.params, snakemake.params.settings
@@ -18,11 +18,12 @@ problems = read_parquet(snakemake.input.problems)
 mine = problem_range(shard_index(snakemake.wildcards.shard), p.shard_size, problems.height)
 shard = problems[mine.start:mine.stop]
 frame = rollouts.generate(
-    engine, shard, config_name=snakemake.wildcards.config, seed=p.seed,
+    engine, problems, mine=mine, config_name=snakemake.wildcards.config, seed=p.seed,
     sampling=SamplingSettings(s["temperature"], s["top_p"], s["max_new_tokens"]), style=p.prompt["style"],
     instruction=p.prompt["instruction"], rules=PivotRules.from_config(p.pivots, s["block_size"]),
     per_problem=p.rollouts["per_problem"], batch_size=p.rollouts["batch_size"], kv_dir=Path(snakemake.output.kv),
     work_dir=Path(p.work), scratch_key=stable_hash([p.code, s, p.seed, p.prompt, p.pivots, p.rollouts, p.topk,
+                                                    sha256_file(snakemake.input.problems),
                                                     shard["problem_id"].to_list()]))
 write_parquet(frame, snakemake.output.rollouts)
 remove_scratch(p.work)
