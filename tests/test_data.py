@@ -312,8 +312,8 @@ def test_two_jobs_extracting_one_member_at_once_both_get_it(tmp_path):
     members = {"pkg/data/file.bin": bytes(range(256)) * 4096}
     wheel = tmp_path / "w.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
-        for name, data in members.items():
-            zf.writestr(name, data)
+        for name, content in members.items():
+            zf.writestr(name, content)
     sha = hashlib.sha256(members["pkg/data/file.bin"]).hexdigest()
     dest = tmp_path / "members" / "file.bin"
     with concurrent.futures.ProcessPoolExecutor(2) as pool:
