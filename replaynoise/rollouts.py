@@ -8,6 +8,7 @@ uninterrupted runs give the same bytes.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -131,14 +132,23 @@ def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: 
             records.append(record)
         write_parquet(pl.DataFrame(records), parts / f"batch_{b:05d}.parquet")
         progress.rows(len(records), sum(len(r["response_ids"]) for r in records))
-    progress.close()
+    progress.close(engine.phases)
 
     frame = pl.concat([pl.read_parquet(parts / f"batch_{b:05d}.parquet") for b in batches], how="diagonal_relaxed")
-    # Copy, not move: the scratch copy must survive until the step's outputs are all in place.
+    # Linked (or copied), not moved: the scratch copy must survive until the step's outputs are all in place.
     if Path(kv_dir).exists():
         shutil.rmtree(kv_dir)
-    shutil.copytree(work_kv, kv_dir)
+    shutil.copytree(work_kv, kv_dir, copy_function=link_or_copy)
     return frame
+
+
+def link_or_copy(source: str, target: str) -> None:
+    """A hard link where the file system allows one (KV files are large and never modified in place: a rerun
+    writes new files and renames them over), a copy otherwise."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def gather(shards: list[pl.DataFrame]) -> pl.DataFrame:

@@ -8,12 +8,14 @@ batch-1 run's bit for bit; a wrong offset or padding slice would differ by O(1).
 
 from __future__ import annotations
 
+import os
+
 import polars as pl
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from replaynoise import replay
+from replaynoise import replay, rollouts
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
 from replaynoise.engines.hf import HFEngine, load_kv_file
 from replaynoise.provenance import keyed_scratch
@@ -93,9 +95,8 @@ def test_restep_of_batched_rollouts_is_a_measured_channel_not_a_gate(model, tmp_
     """Rollouts made in a batch, re-stepped all together: the state used is still the decode-time state
     (verified at every pivot), while the re-step reproduces only where the other batch layout happens not to
     reach the last bits (float64 here: most pivots, not all)."""
-    rollouts = HFEngine(model, Tokenizer(), decode="dynamic").generate_rollouts(requests(), SAMPLING, tmp_path,
-                                                                               keep_all)
-    states = HFEngine(model, Tokenizer(), decode="dynamic").prefix_states(pivot_requests(rollouts), "decode_kv")
+    made = HFEngine(model, Tokenizer(), decode="dynamic").generate_rollouts(requests(), SAMPLING, tmp_path, keep_all)
+    states = HFEngine(model, Tokenizer(), decode="dynamic").prefix_states(pivot_requests(made), "decode_kv")
     assert len(states) > 20 and all(s.verified for s in states)
     assert all(s.restep_match is not None for s in states)
     assert sum(s.restep_match for s in states) > len(states) / 2
@@ -125,3 +126,18 @@ def test_stale_scratch_from_other_settings_is_discarded(tmp_path, capsys):
     work = keyed_scratch(tmp_path / "w", "bbbb")
     assert not (work / "batch_00000.parquet").exists()
     assert "discarding scratch work left by a run with other settings" in capsys.readouterr().err
+
+
+def test_kv_outputs_are_hard_links_of_the_scratch_files_where_the_file_system_allows(tmp_path, monkeypatch):
+    source = tmp_path / "a.safetensors"
+    source.write_bytes(b"kv" * 1000)
+    rollouts.link_or_copy(str(source), str(tmp_path / "linked"))
+    assert (tmp_path / "linked").stat().st_ino == source.stat().st_ino  # no second gigabyte written
+
+    def refuse(*_):
+        raise OSError("cross-device link")
+
+    monkeypatch.setattr(os, "link", refuse)
+    rollouts.link_or_copy(str(source), str(tmp_path / "copied"))
+    copied = tmp_path / "copied"
+    assert copied.stat().st_ino != source.stat().st_ino and copied.read_bytes() == source.read_bytes()

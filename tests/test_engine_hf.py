@@ -19,6 +19,7 @@ from replaynoise.engines.base import (
 )
 from replaynoise.engines.hf import HFEngine, load_kv, save_kv
 from replaynoise.pivots import PivotRules, select_pivots
+from replaynoise.provenance import sha256_file
 
 pytestmark = pytest.mark.slow
 
@@ -76,8 +77,9 @@ def test_stored_kv_round_trips_bitwise(stock, tmp_path):
     layers = load_kv(path)
     assert layers[0][0].dtype == torch.bfloat16  # native dtype, not upcast
     again = tmp_path / "again.safetensors"
-    save_kv(layers, layers[0][0].shape[-2], again)
-    for (k1, v1), (k2, v2) in zip(layers, load_kv(again)):
+    digest = save_kv(layers, layers[0][0].shape[-2], again)
+    assert digest == sha256_file(again)  # hashed from the bytes written: the file's own checksum
+    for (k1, v1), (k2, v2) in zip(layers, load_kv(again, digest)):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
@@ -116,6 +118,29 @@ def test_replica_meets_other_batch_compositions(stock):
     replica = replay.make_schedule(n, 4, replay.schedule_seed(SEED, "t", "replica"))
     assert sorted(map(sorted, exact)) != sorted(map(sorted, replica))
     assert sorted(i for b in replica for i in b) == list(range(n))
+
+
+def test_the_restep_channel_is_measured_once_per_pivot_on_its_first_scheduled_row(stock, tmp_path):
+    engine, frame, pivots, _ = stock
+    exact = run(engine, frame, pivots, "exact", tmp_path, batch_size=4)
+    measured = exact.filter(pl.col("restep_match").is_not_null())
+    assert sorted(measured["pivot_id"]) == sorted(pivots["pivot_id"])  # one row per pivot, every pivot
+    first = (exact.sort("batch_id").group_by("pivot_id", maintain_order=True)
+             .agg(pl.col("batch_id").first().alias("first_batch")))
+    assert measured.join(first, on="pivot_id").select((pl.col("batch_id") == pl.col("first_batch")).all()).item()
+    # the rows the pass asks for are fixed by the whole schedule, so a shard or a resume asks for the same ones
+    requests = replay.build_requests(pivots, frame, pass_name="exact", k=K, seed=SEED, config_name="t")
+    schedule = replay.make_schedule(len(requests), 4, replay.schedule_seed(SEED, "t", "exact"))
+    asked = replay.with_restep_once(requests, schedule)
+    assert sum(r.restep for r in asked) == pivots.height
+    assert not any(r.restep for r in replay.with_restep_once(requests, []))  # probes: none
+
+
+def test_a_pass_logs_where_its_time_went(stock, tmp_path, capsys):
+    engine, frame, pivots, _ = stock
+    run(engine, frame, pivots, "refeed", tmp_path, batch_size=4)
+    line = [l for l in capsys.readouterr().err.splitlines() if "time by phase" in l][-1]
+    assert "prefix states" in line and "decode" in line and "grade and write" in line
 
 
 def test_interrupted_pass_resumes_without_redoing_batches(stock, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import shutil
@@ -10,7 +11,7 @@ import pytest
 
 from conftest import PACKAGES
 from replaynoise.models import PACKAGED_MODELS, assemble_gguf, check_local_model_dir, load_model, prepare_model
-from replaynoise.provenance import ChecksumError
+from replaynoise.provenance import ChecksumError, sha256_file
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +50,18 @@ def test_gguf_with_a_wrong_checksum_is_refused_by_name(tmp_path):
     shutil.copytree(PACKAGES / "wheels", tmp_path / "wheels")  # no second download
     with pytest.raises(ChecksumError, match="SmolLM2-135M-Instruct.Q4_1.gguf"):
         assemble_gguf(bad, tmp_path)
+
+
+def test_two_jobs_assembling_one_gguf_at_once_both_get_the_pinned_file(tmp_path):
+    """Both dtypes of one model are prepared by parallel jobs; one used to check the other's half-written GGUF
+    (checksum mismatch on the H200 run of issue 20)."""
+    model = PACKAGED_MODELS["smollm2-135m"]
+    shutil.copytree(PACKAGES / "wheels", tmp_path / "wheels", ignore=shutil.ignore_patterns("gemma*", "pandas*"))
+    with concurrent.futures.ProcessPoolExecutor(2) as pool:
+        done = list(pool.map(assemble_gguf, [model] * 2, [tmp_path] * 2))
+    target = tmp_path / model.gguf_name
+    assert done == [target] * 2 and sha256_file(target) == model.gguf_sha256
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
 def test_local_directory_is_used_as_is_and_fingerprinted(smollm2_dir, tmp_path):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from replaynoise.progress import Phases
+
 #: Where a continuation's prefix state comes from (method.md section 2).
 PREFIX_SOURCES = ("decode_kv", "refeed_ids", "refeed_text")
 
@@ -72,6 +74,8 @@ class ContinuationRequest:
     expected_digest: str | None = None
     #: for refeed_text: the prefix re-tokenized from its text
     text_prefix_ids: tuple[int, ...] | None = None
+    #: measure the re-step channel for this row's pivot (decode_kv; the pass asks once per pivot, not per row)
+    restep: bool = True
 
 
 @dataclass
@@ -98,6 +102,8 @@ class Engine(Protocol):
     name: str
     #: the model's tokenizer (prompts, decoding and re-tokenization are engine-independent)
     tokenizer: object
+    #: seconds per phase of the engine's work (``progress.Phases``), for the step's closing log line
+    phases: "Phases"
 
     def generate_rollouts(
         self, requests: list[RolloutRequest], sampling: SamplingSettings, kv_dir: Path,

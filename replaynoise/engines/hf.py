@@ -9,15 +9,18 @@ Two kernel modes:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from replaynoise.engines.base import (
@@ -29,7 +32,8 @@ from replaynoise.engines.sampling import (
     RowSampler, digest_rows, digest_strings, logits_digest, sample_rows, topk_logprobs, topk_rows,
 )
 from replaynoise.models import eos_token_ids
-from replaynoise.provenance import atomic_path, sha256_file
+from replaynoise.progress import Phases
+from replaynoise.provenance import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +46,21 @@ DECODE_MODES = ("auto", "dynamic", "static")
 CPU_MATMULS = ("fp32", "native")
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
+#: Attention backends of the HF forwards (prefills, re-steps, dynamic decode). cuDNN's is left out: it builds an
+#: execution plan for every new shape, 1.8 ms of host time per layer and forward on an H200 (measured,
+#: benchmarks/profile_pass.py), and nearly every batch of a pass has shapes of its own. CPUs never use it.
+EAGER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: threads that serialise, hash and write (or read and hash) stored KV files while the main thread goes on:
+#: hashing and file I/O release the GIL
+IO_THREADS = 8
 
 
 @dataclass
 class PrefixState:
     """The KV of one pivot's prefix (batch 1) and what we know about how faithful it is."""
 
-    layers: KVLayers
+    #: per-layer (k, v), or None where ``kv`` holds them all (``per_layer`` gives the views)
+    layers: KVLayers | None
     length: int
     #: the state is the decode-time state (decode_kv: the recorded file, computed from these ids); re-feed: True
     verified: bool
@@ -60,6 +72,9 @@ class PrefixState:
     #: the same KV stacked, [layers, 2, 1, kv_heads, length, head_dim] (None where layers differ in shape):
     #: batches are assembled with one copy per row instead of one per row and layer
     kv: torch.Tensor | None = None
+
+    def per_layer(self) -> KVLayers:
+        return self.layers if self.layers is not None else [(kv[0], kv[1]) for kv in self.kv]
 
 
 class HFEngine:
@@ -93,15 +108,18 @@ class HFEngine:
         # over many batches by the schedule): 8 GiB on a GPU, 1 GiB on a CPU.
         self._file_budget = int((cache_gib if cache_gib is not None else 8 if self.device.type == "cuda" else 1)
                                 * 2**30)
-        self._files: OrderedDict[str, tuple[tuple[KVLayers, list[int] | None], int]] = OrderedDict()
+        self._files: OrderedDict[str, tuple[tuple[KVLayers, list[int] | None, torch.Tensor | None], int]] = (
+            OrderedDict())
+        self.phases = Phases(torch.cuda.synchronize if self.device.type == "cuda" else None)
 
     # ----------------------------------------------------------------------------------------- forwards
     @torch.inference_mode()
     def _step(self, ids: torch.Tensor, cache: DynamicCache, **kwargs) -> torch.Tensor:
         """One forward; returns float32 logits of the last position of every row, on the model's device (sampling
         noise, digests and top-k are computed there, so a GPU never copies a vocabulary per row and step)."""
-        out = self.model(input_ids=ids.to(self.device), past_key_values=cache, use_cache=True,
-                         logits_to_keep=1, **kwargs)
+        with sdpa_kernel(EAGER_ATTENTION):
+            out = self.model(input_ids=ids.to(self.device), past_key_values=cache, use_cache=True,
+                             logits_to_keep=1, **kwargs)
         return out.logits[:, -1, :].to(torch.float32)
 
     def _prefill(self, ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
@@ -144,22 +162,24 @@ class HFEngine:
                           keep_len: KeepLen) -> list[Rollout]:
         """All requests as one batch (stock: left-padded prefill, then one decode step for every row at once; each
         row's own, unpadded decode-time KV is kept); invariant: one token of one row per forward, as before."""
-        if self.invariant:
-            rows = [self._generate_one(req, sampling) for req in requests]
-        elif self.static:
-            rows = self._generate_static(requests, sampling)
+        if self.static:
+            rows = self._generate_static(requests, sampling)  # times its own phases
         else:
-            rows = self._generate_dynamic(requests, sampling)
-        rollouts = []
-        for req, (rollout, layers) in zip(requests, rows):
-            keep = min(keep_len(rollout), layers[0][0].shape[-2])
-            if keep > 0:
-                path = Path(kv_dir) / f"{req.key}.safetensors"
-                ids = (rollout.prompt_ids + rollout.response_ids)[:keep]
-                rollout.kv_sha256 = save_kv(layers, keep, path, ids=ids)
-                rollout.kv_file, rollout.kv_len = str(path), keep
-            rollouts.append(rollout)
-        return rollouts
+            with self.phases("generate"):
+                rows = ([self._generate_one(req, sampling) for req in requests] if self.invariant
+                        else self._generate_dynamic(requests, sampling))
+        with self.phases("store KV"), ThreadPoolExecutor(IO_THREADS) as pool:
+            saving = []
+            for req, (rollout, layers) in zip(requests, rows):
+                keep = min(keep_len(rollout), layers[0][0].shape[-2])
+                if keep > 0:
+                    path = Path(kv_dir) / f"{req.key}.safetensors"
+                    ids = (rollout.prompt_ids + rollout.response_ids)[:keep]
+                    saving.append((rollout, pool.submit(save_kv, layers, keep, path, ids=ids)))
+                    rollout.kv_file, rollout.kv_len = str(path), keep
+            for rollout, sha in saving:
+                rollout.kv_sha256 = sha.result()
+        return [rollout for rollout, _ in rows]
 
     def _generate_one(self, req: RolloutRequest, sampling: SamplingSettings) -> tuple[Rollout, KVLayers]:
         sampler = RowSampler(req.seed, sampling.temperature, sampling.top_p)
@@ -241,42 +261,48 @@ class HFEngine:
         replay per step for all rows; top-k, digests and tokens stay on the device until the batch ends."""
         n, steps, k = len(requests), sampling.max_new_tokens, self.topk
         prompts = [list(r.prompt_ids) for r in requests]
-        cache, logits, mask = self._prefill_batch(prompts)
-        longest = mask.shape[1]
         dev = dict(device=self.device)
-        top_ids = torch.zeros(n, steps, k, dtype=torch.int64, **dev)
-        top_lps = torch.zeros(n, steps, k, dtype=torch.float32, **dev)
-        digests = torch.zeros(n, steps, 2, dtype=torch.int64, **dev)
-        sampled = torch.zeros(n, steps, dtype=torch.int64, **dev)
-        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, **dev)
-        top_ids[:, 0], top_lps[:, 0] = topk_rows(logits, k)
-        digests[:, 0] = digest_rows(logits)
-        sampled[:, 0] = sample_rows(logits, seeds, torch.zeros_like(seeds), sampling.temperature, sampling.top_p)
-        stacked = stack_layers(cache_layers(cache))
-        layers = [stacked[:, :, r:r + 1, :, longest - len(p):] for r, p in enumerate(prompts)]
-        decoder = self._decoder(n, _bucket(longest + steps + 1))
-        decoder.load(layers, [len(p) for p in prompts], list(range(n)), [r.seed for r in requests],
-                     sampled[:, 0].tolist(), (sampling.temperature, sampling.top_p))
-        del cache, layers, stacked
-        decoder.step_no.fill_(1)  # token 0 came from the prefill: the decode samples steps 1, 2, ...
+        with self.phases("prefill"):
+            cache, logits, mask = self._prefill_batch(prompts)
+            longest = mask.shape[1]
+            top_ids = torch.zeros(n, steps, k, dtype=torch.int64, **dev)
+            top_lps = torch.zeros(n, steps, k, dtype=torch.float32, **dev)
+            digests = torch.zeros(n, steps, 2, dtype=torch.int64, **dev)
+            sampled = torch.zeros(n, steps, dtype=torch.int64, **dev)
+            seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, **dev)
+            top_ids[:, 0], top_lps[:, 0] = topk_rows(logits, k)
+            digests[:, 0] = digest_rows(logits)
+            sampled[:, 0] = sample_rows(logits, seeds, torch.zeros_like(seeds), sampling.temperature,
+                                        sampling.top_p)
+            stacked = stack_layers(cache_layers(cache))
+            layers = [stacked[:, :, r:r + 1, :, longest - len(p):] for r, p in enumerate(prompts)]
+        with self.phases("load states"):
+            decoder = self._decoder(n, _bucket(longest + steps + 1))
+            decoder.load(layers, [len(p) for p in prompts], list(range(n)), [r.seed for r in requests],
+                         sampled[:, 0].tolist(), (sampling.temperature, sampling.top_p))
+            del cache, layers, stacked
+            decoder.step_no.fill_(1)  # token 0 came from the prefill: the decode samples steps 1, 2, ...
         eos = torch.tensor(sorted(self.eos_ids), **dev)
-        last = 0
-        for step in range(1, steps):
+
+        def record(step: int) -> bool:
             logits, tokens = decoder.step()
             top_ids[:, step], top_lps[:, step] = topk_rows(logits, k)
             digests[:, step] = digest_rows(logits)
             sampled[:, step] = tokens
-            last = step
-            if step % 16 == 15 and bool(torch.isin(sampled[:, :step + 1], eos).any(dim=1).all()):
-                break
-        host = [t[:, :last + 1].tolist() for t in (sampled, top_ids, top_lps, digests)]
+            return step % 16 == 15 and bool(torch.isin(sampled[:, :step + 1], eos).any(dim=1).all())
+
+        last = self._run_steps(decoder, range(1, steps), record, before=0)
+        with self.phases("results to host"):
+            host = [t[:, :last + 1].tolist() for t in (sampled, top_ids, top_lps, digests)]
+            # the whole batch's KV to the host in one copy (not one per row and layer); rows are views of it
+            kv = decoder.kv[:, :, :n, :, :longest + last].cpu()
         out = []
         for row, (req, *records) in enumerate(zip(requests, *host)):
             rollout = self._rollout_of(req, *records)
             start = longest - len(rollout.prompt_ids)
             stop = longest + len(rollout.response_ids) - 1
-            out.append((rollout, [(keys[row:row + 1, :, start:stop].clone(), values[row:row + 1, :, start:stop].clone())
-                                  for keys, values in zip(decoder.keys, decoder.values)]))
+            out.append((rollout, [(layer[0, row:row + 1, :, start:stop], layer[1, row:row + 1, :, start:stop])
+                                  for layer in kv]))
         return out
 
     # ----------------------------------------------------------------------------------------- prefix states
@@ -294,15 +320,32 @@ class HFEngine:
         if source not in PREFIX_SOURCES:
             raise ValueError(f"unknown prefix source {source!r}")
         todo = list({req.pivot_id: req for req in requests}.values())
+        with self.phases("prefix states"):
+            self._load_stored([req for req in todo if req.kv_file is not None])
+            if source == "decode_kv":
+                built = [self._decode_state(req) for req in todo]
+            else:
+                ids = [list(req.text_prefix_ids or req.prefix_ids) if source == "refeed_text"
+                       else list(req.prefix_ids) for req in todo]
+                built = self._refeed_states(todo, ids)
         if source == "decode_kv":
-            built = [self._decode_state(req) for req in todo]
-            self._restep(todo, built)
-        else:
-            ids = [list(req.text_prefix_ids or req.prefix_ids) if source == "refeed_text" else list(req.prefix_ids)
-                   for req in todo]
-            built = self._refeed_states(todo, ids)
+            wanted = {req.pivot_id for req in requests if req.restep}
+            chosen = [i for i, req in enumerate(todo) if req.pivot_id in wanted]
+            if chosen:
+                with self.phases("re-step"):
+                    self._restep([todo[i] for i in chosen], [built[i] for i in chosen])
         by_pivot = {req.pivot_id: state for req, state in zip(todo, built)}
         return [by_pivot[req.pivot_id] for req in requests]
+
+    def _load_stored(self, requests: list[ContinuationRequest]) -> None:
+        """Read (and hash) the batch's stored KV files not yet on the device, in parallel threads."""
+        missing = list({req.kv_file: req.kv_sha256 for req in requests if req.kv_file not in self._files}.items())
+        if not missing:
+            return
+        with ThreadPoolExecutor(IO_THREADS) as pool:
+            read = list(pool.map(lambda item: read_kv_bytes(*item), missing))
+        for (kv_file, _), data in zip(missing, read):
+            self._stored(kv_file, data=data)
 
     @staticmethod
     def _remember(cache: OrderedDict, key, value, nbytes: int, budget: int) -> None:
@@ -313,32 +356,29 @@ class HFEngine:
             _, (_, size) = cache.popitem(last=False)
             total -= size
 
-    def _stored(self, kv_file: str, expected_sha256: str | None = None) -> tuple[KVLayers, list[int] | None]:
-        """A rollout's stored KV, loaded (and its checksum checked) once, then kept on the device for the pass."""
+    def _stored(self, kv_file: str, expected_sha256: str | None = None, data: bytes | None = None
+                ) -> tuple[KVLayers, list[int] | None, torch.Tensor | None]:
+        """A rollout's stored KV (per layer, the ids it was computed from, and stacked where the layers allow),
+        loaded (and its checksum checked) once, then kept on the device for the pass. ``data``: the file's bytes,
+        already read and checked."""
         if kv_file not in self._files:
-            layers, ids = load_kv_file(kv_file, expected_sha256, device=self.device)
+            if data is None:
+                data = read_kv_bytes(kv_file, expected_sha256)
+            layers, ids = parse_kv(data, kv_file, device=self.device)
             stacked = stack_layers(layers)
             if stacked is not None:
                 layers = [(stacked[i, 0], stacked[i, 1]) for i in range(len(layers))]
             nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
             self._remember(self._files, kv_file, (layers, ids, stacked), nbytes, self._file_budget)
         self._files.move_to_end(kv_file)
-        layers, ids, _ = self._files[kv_file][0]
-        return layers, ids
-
-    def _stored_layers(self, kv_file: str, expected_sha256: str | None = None) -> KVLayers:
-        return self._stored(kv_file, expected_sha256)[0]
-
-    def _stored_stack(self, kv_file: str, expected_sha256: str | None = None) -> torch.Tensor | None:
-        self._stored(kv_file, expected_sha256)
-        return self._files[kv_file][0][2]
+        return self._files[kv_file][0]
 
     def _decode_state(self, req: ContinuationRequest) -> PrefixState:
         """The stored decode-time KV cropped to the pivot. It is the decode-time state when the file is the one
         recorded at capture (sha256, checked on load) and the ids it was computed from are the prefix's."""
         if req.kv_file is None:
             raise VerificationError(f"pivot {req.pivot_id}: no stored KV to resume from")
-        stored, ids = self._stored(req.kv_file, req.kv_sha256)
+        stored, ids, stacked = self._stored(req.kv_file, req.kv_sha256)
         length = len(req.prefix_ids)
         if stored[0][0].shape[-2] < length:
             raise VerificationError(
@@ -347,10 +387,11 @@ class HFEngine:
         if not same_ids:
             log.warning("pivot %s: the KV in %s was computed from other token ids than its prefix",
                         req.pivot_id, req.kv_file)
-        layers = [(k[..., :length, :], v[..., :length, :]) for k, v in stored]
-        stacked = self._stored_stack(req.kv_file, req.kv_sha256)
-        return PrefixState(layers, length, same_ids, None, cached=length, expected=length,
-                           kv=None if stacked is None else stacked[..., :length, :])
+        if stacked is not None:  # views of the stacked tensor: no per-layer slicing on the hot path
+            return PrefixState(None, length, same_ids, None, cached=length, expected=length,
+                               kv=stacked[..., :length, :])
+        return PrefixState([(k[..., :length, :], v[..., :length, :]) for k, v in stored], length, same_ids, None,
+                           cached=length, expected=length)
 
     def _restep(self, requests: list[ContinuationRequest], states: list[PrefixState]) -> None:
         """The re-step channel: re-run each pivot's last prefix token over its stored KV (all pivots of the
@@ -362,9 +403,10 @@ class HFEngine:
         else:
             groups = [list(range(len(states)))]
         for group in groups:
-            shorter = [PrefixState([(k[..., :-1, :], v[..., :-1, :]) for k, v in states[i].layers],
-                                   states[i].length - 1, True, None,
-                                   kv=None if states[i].kv is None else states[i].kv[..., :-1, :]) for i in group]
+            shorter = [PrefixState(None, states[i].length - 1, True, None, kv=states[i].kv[..., :-1, :])
+                       if states[i].kv is not None else
+                       PrefixState([(k[..., :-1, :], v[..., :-1, :]) for k, v in states[i].layers],
+                                   states[i].length - 1, True, None) for i in group]
             cache, mask = _left_padded_cache(shorter)
             mask = torch.cat([mask, torch.ones(len(group), 1, dtype=mask.dtype)], dim=1)
             kwargs = {} if self.invariant else {
@@ -374,7 +416,7 @@ class HFEngine:
             logits = self._step(last, cache, **kwargs)
             digests = digest_strings(digest_rows(logits))
             new = torch.stack([torch.stack((layer.keys[:, :, -1], layer.values[:, :, -1])) for layer in cache.layers])
-            old = torch.stack([torch.stack([torch.stack((k[0, :, -1], v[0, :, -1])) for k, v in states[i].layers])
+            old = torch.stack([torch.stack([torch.stack((k[0, :, -1], v[0, :, -1])) for k, v in states[i].per_layer()])
                                if states[i].kv is None else states[i].kv[:, :, 0, :, -1] for i in group], dim=2)
             same_kv = (new == old).flatten(3).all(-1).all(1).all(0).tolist()  # [L, 2, rows, ...] -> [rows]
             for slot, i in enumerate(group):
@@ -394,12 +436,11 @@ class HFEngine:
         for req, seq, kv in zip(requests, seqs, stacks):
             diff = None
             if req.kv_file is not None and len(seq) == len(req.prefix_ids):
-                stored = self._stored_stack(req.kv_file, req.kv_sha256)
+                stored = self._stored(req.kv_file, req.kv_sha256)[2]
                 if stored is not None and stored.shape[-2] >= len(seq):
                     diff = (kv - stored[..., :len(seq), :]).abs().flatten(1).amax(-1).float()  # per layer
             diffs.append(diff)
-            layers = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
-            states.append(PrefixState(layers, len(seq), True, None, kv=kv))
+            states.append(PrefixState(None, len(seq), True, None, kv=kv))
         measured = [i for i, d in enumerate(diffs) if d is not None]
         if measured:  # one host copy for all
             for i, values in zip(measured, torch.stack([diffs[i] for i in measured]).tolist()):
@@ -411,17 +452,20 @@ class HFEngine:
     def run_batch(self, requests: list[ContinuationRequest], source: str,
                   sampling: SamplingSettings) -> list[ContinuationResult]:
         states = self.prefix_states(requests, source)
-        if self.invariant:
-            return [self._continue(reqs, sts, sampling)[0] for reqs, sts in
-                    (([r], [s]) for r, s in zip(requests, states))]
         if self.static:
-            return self._continue_static(requests, states, sampling)
-        return self._continue(requests, states, sampling)
+            return self._continue_static(requests, states, sampling)  # times its own phases
+        with self.phases("decode"):
+            if self.invariant:
+                return [self._continue(reqs, sts, sampling)[0] for reqs, sts in
+                        (([r], [s]) for r, s in zip(requests, states))]
+            return self._continue(requests, states, sampling)
 
-    def _result(self, tokens: list[int], finish: str, state: PrefixState, first: tuple) -> ContinuationResult:
+    def _result(self, req: ContinuationRequest, tokens: list[int], finish: str, state: PrefixState,
+                first: tuple) -> ContinuationResult:
+        """One row's result; the re-step outcome only on rows that asked for it (once per pivot and pass)."""
         return ContinuationResult(tokens, finish, state.verified, state.length, first[0], first[1], first[2],
                                   state.kv_maxdiff, cached_tokens=state.cached, expected_cached_tokens=state.expected,
-                                  restep_match=state.restep_match)
+                                  restep_match=state.restep_match if req.restep else None)
 
     def _continue(self, requests: list[ContinuationRequest], states: list[PrefixState],
                   sampling: SamplingSettings) -> list[ContinuationResult]:
@@ -462,7 +506,8 @@ class HFEngine:
                 active = [active[i] for i in keep]
             tokens = torch.tensor([generated[row][-1] for row in active])
             positions = positions + 1
-        return [self._result(generated[i], finish[i], states[i], tuple(f[i] for f in first)) for i in range(n)]
+        return [self._result(requests[i], generated[i], finish[i], states[i], tuple(f[i] for f in first))
+                for i in range(n)]
 
     def _first_steps(self, logits: torch.Tensor) -> tuple[list, list, list[str]]:
         """Top-k and digest of every row's first continuation step, computed on the device, copied once."""
@@ -480,6 +525,22 @@ class HFEngine:
         self._decoders.move_to_end(key)
         return self._decoders[key]
 
+    def _run_steps(self, decoder: StaticDecoder, steps: range, step_fn, before: int = -1) -> int:
+        """Run ``step_fn(step)`` over ``steps`` until it returns True (all rows finished); returns the last step
+        run (``before`` if none). A new decoder's first steps (kernel compilation, graph capture) are timed as
+        their own phase, apart from the steady decode."""
+        todo, last = list(steps), before
+        while todo and decoder.graphs and decoder.graph is None:
+            with self.phases("compile and capture"):
+                last = todo.pop(0)
+                if step_fn(last):
+                    return last
+        with self.phases("decode"):
+            for last in todo:
+                if step_fn(last):
+                    break
+        return last
+
     def _continue_static(self, requests: list[ContinuationRequest], states: list[PrefixState],
                          sampling: SamplingSettings) -> list[ContinuationResult]:
         """Decode all rows together in a static cache (one graph replay per step); a row's tokens after its
@@ -495,31 +556,33 @@ class HFEngine:
         for state in states:
             unique.setdefault(id(state), len(unique))
         ordered = list({id(s): s for s in states}.values())
-        decoder = self._decoder(rows, length)
-        stacked = all(s.kv is not None for s in ordered)
-        decoder.load([s.kv if stacked else s.layers for s in ordered], [s.length for s in ordered],
-                     [unique[id(s)] for s in states],
-                     [r.seed for r in requests], [r.branch_token for r in requests],
-                     (sampling.temperature, sampling.top_p))
+        with self.phases("load states"):
+            decoder = self._decoder(rows, length)
+            stacked = all(s.kv is not None for s in ordered)
+            decoder.load([s.kv if stacked else s.per_layer() for s in ordered], [s.length for s in ordered],
+                         [unique[id(s)] for s in states],
+                         [r.seed for r in requests], [r.branch_token for r in requests],
+                         (sampling.temperature, sampling.top_p))
         out = torch.empty(rows, steps, dtype=torch.int64, device=self.device)
         eos = torch.tensor(sorted(self.eos_ids), device=self.device)
-        for step in range(steps):
+        first = []
+
+        def record(step: int) -> bool:
             logits, tokens = decoder.step()
             if step == 0:
-                first_ids, first_lps = topk_rows(logits, self.topk)
-                first_digests = digest_rows(logits)
+                first.extend((*topk_rows(logits, self.topk), digest_rows(logits)))
             out[:, step] = tokens
-            if step + 1 == steps:
-                break
-            if step % 16 == 15 and bool(torch.isin(out[:, :step + 1], eos).any(dim=1).all()):
-                break
-        out = out[:n, :step + 1].cpu().tolist()
-        firsts = (first_ids[:n].tolist(), first_lps[:n].tolist(), digest_strings(first_digests[:n]))
+            return step + 1 < steps and step % 16 == 15 and bool(torch.isin(out[:, :step + 1], eos).any(dim=1).all())
+
+        step = self._run_steps(decoder, range(steps), record)
+        with self.phases("results to host"):
+            out = out[:n, :step + 1].cpu().tolist()
+            firsts = (first[0][:n].tolist(), first[1][:n].tolist(), digest_strings(first[2][:n]))
         results = []
-        for i, (row, s) in enumerate(zip(out, states)):
+        for i, (req, row, s) in enumerate(zip(requests, out, states)):
             end = next((j for j, t in enumerate(row) if t in self.eos_ids), None)
             tokens_i, finish = (row[:end + 1], "eos") if end is not None else (row, "length")
-            results.append(self._result(tokens_i, finish, s, tuple(f[i] for f in firsts)))
+            results.append(self._result(req, tokens_i, finish, s, tuple(f[i] for f in firsts)))
         return results
 
 
@@ -541,10 +604,11 @@ def _left_padded_cache(states: list[PrefixState]) -> tuple[DynamicCache, torch.T
             mask[row, longest - state.length:] = 1
         return DynamicCache(ddp_cache_data=[(buffer[i, 0], buffer[i, 1]) for i in range(buffer.shape[0])]), mask
     layers = []
-    for layer in range(len(states[0].layers)):
+    per_layer = [state.per_layer() for state in states]
+    for layer in range(len(per_layer[0])):
         keys, values = [], []
         for row, state in enumerate(states):
-            k, v = state.layers[layer]
+            k, v = per_layer[row][layer]
             pad = longest - state.length
             keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
             values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
@@ -568,18 +632,20 @@ def stack_layers(layers: KVLayers) -> torch.Tensor | None:
 
 def save_kv(layers: KVLayers, keep: int, path: Path, ids: list[int] | None = None) -> str:
     """Store the first ``keep`` positions of a batch-1 cache in its native dtype, with the token ids they were
-    computed from; return the file's sha256 (the content digest a resume checks)."""
+    computed from; return the file's sha256 (the content digest a resume checks), hashed from the bytes written
+    rather than read back."""
     tensors = {}
     for i, (k, v) in enumerate(layers):
         tensors[f"k.{i}"] = k[..., :keep, :].contiguous().cpu()
         tensors[f"v.{i}"] = v[..., :keep, :].contiguous().cpu()
     if ids is not None:
         tensors["ids"] = torch.tensor(ids[:keep], dtype=torch.int64)
+    # One metadata key only: safetensors writes metadata in hash-map order, so several keys would make equal
+    # caches give different bytes (and different checksums) from run to run.
+    data = save(tensors, metadata={"replaynoise-kv": f"format=1;positions={keep}"})
     with atomic_path(path) as tmp:
-        # One metadata key only: safetensors writes metadata in hash-map order, so several keys would make
-        # equal caches give different bytes (and different checksums) from run to run.
-        save_file(tensors, str(tmp), metadata={"replaynoise-kv": f"format=1;positions={keep}"})
-    return sha256_file(path)
+        Path(tmp).write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def load_kv(path: str | Path, expected_sha256: str | None = None, device: torch.device | str = "cpu") -> KVLayers:
@@ -590,20 +656,41 @@ def load_kv(path: str | Path, expected_sha256: str | None = None, device: torch.
 def load_kv_file(path: str | Path, expected_sha256: str | None = None, device: torch.device | str = "cpu"
                  ) -> tuple[KVLayers, list[int] | None]:
     """A stored cache and the token ids it was computed from (None in files written before ids were stored)."""
+    return parse_kv(read_kv_bytes(path, expected_sha256), path, device)
+
+
+def read_kv_bytes(path: str | Path, expected_sha256: str | None = None) -> bytes:
+    """A stored cache's bytes, read once and checked against the checksum recorded at capture."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise VerificationError(f"{path}: stored KV cannot be read ({exc})") from exc
     if expected_sha256 is not None:
-        actual = sha256_file(path)
+        actual = hashlib.sha256(data).hexdigest()
         if actual != expected_sha256:
             raise VerificationError(
                 f"{path}: stored KV is corrupt (sha256 {actual}, recorded {expected_sha256}); "
                 "rerun the rollout step for this configuration")
+    return data
+
+
+def parse_kv(data: bytes, path: str | Path, device: torch.device | str = "cpu"
+             ) -> tuple[KVLayers, list[int] | None]:
     try:
-        tensors = load_file(str(path), device=str(device))
+        tensors = load(data)
     except (SafetensorError, OSError, ValueError) as exc:
         raise VerificationError(f"{path}: stored KV cannot be read ({exc})") from exc
     ids = tensors.pop("ids", None)
     n_layers = len(tensors) // 2
     try:
-        return [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(n_layers)], (
-            None if ids is None else ids.tolist())
+        layers = [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(n_layers)]
     except KeyError as exc:
         raise VerificationError(f"{path}: stored KV lacks tensor {exc}") from exc
+    if str(device) != "cpu":
+        stacked = stack_layers(layers)  # one host-to-device copy per file where the layers allow it
+        if stacked is not None:
+            stacked = stacked.to(device)
+            layers = [(stacked[i, 0], stacked[i, 1]) for i in range(n_layers)]
+        else:
+            layers = [(k.to(device), v.to(device)) for k, v in layers]
+    return layers, None if ids is None else ids.tolist()

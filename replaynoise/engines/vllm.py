@@ -34,6 +34,7 @@ from replaynoise.engines.base import (
     ContinuationRequest, ContinuationResult, KeepLen, Rollout, RolloutRequest, SamplingSettings,
     VerificationError,
 )
+from replaynoise.progress import Phases
 from replaynoise.provenance import sha256_file, write_json
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class VLLMEngine:
         #: rollouts whose decode-time blocks this process has produced: cache salt -> (prompt, result)
         self._present: dict[str, tuple[list[int], Generated]] = {}
         self._recipes: dict[str, dict] = {}
+        self.phases = Phases()
 
     # ----------------------------------------------------------------------------------------- requests
     def sampling_params(self, seed: int, temperature: float, top_p: float, max_tokens: int):
@@ -167,7 +169,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         inputs = [TokensPrompt(prompt_token_ids=list(ids), cache_salt=salt) for ids, salt in prompts]
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        with self.phases("vLLM generate"):
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
         if len(outputs) != len(inputs):
             raise EngineError(f"{what}: vLLM returned {len(outputs)} results for {len(inputs)} requests")
         results = []

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The issue-20 measurement on a GPU machine: the workflow's own rules, real packaged weights, wall time from
+# prepared models (or from nothing) to results/MANIFEST.sha256, then per-rule generated tokens/s and where each
+# loop's time went. Run it from the project's root where `snakemake` and the packages are on the path (on the
+# lent H200: staged with ../shared/tools/gpu-stage and `source /root/stage/env.sh`, which sets $WORK):
+#   bash benchmarks/h200-pipeline.sh benchmarks/configs/h200-pipeline.yaml [TIMEOUT_S] [OUT_JSON]
+# Interrupted by TIMEOUT_S, a second call resumes the run (Snakemake keeps finished jobs; passes keep batches).
+set -uo pipefail
+cfg=$1 limit=${2:-520} out=${3:-}
+work=${WORK:-$PWD/benchmarks/out/run}
+# A normal install has compiled bytecode; the lent machine's site packages have none and cannot keep it, so
+# without a cache every job would spend about 10 s compiling the imports of torch and transformers again.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$work/.pycache}
+SECONDS=0
+timeout "$limit" snakemake -s "$PWD/Snakefile" --directory "$work" --cores "$(nproc)" --resources gpu=1 \
+    --configfile "$PWD/$cfg" --replace-workflow-config 2>&1 | grep -E -i "error|exception" | head -20
+echo "wall ${SECONDS} s; MANIFEST: $(test -f "$work/results/MANIFEST.sha256" && echo present || echo absent)"
+grep -h -E ": done,|time by phase" "$work"/results/logs/generate_rollouts/*.log "$work"/results/logs/replay_*/*.log
+python benchmarks/pipeline.py "$work" --configfile "$cfg" ${out:+--out "$out"}

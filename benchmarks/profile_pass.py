@@ -1,0 +1,134 @@
+"""Where a replay pass's time goes on a GPU: real batches of the workflow's own pass, profiled.
+
+    PYTHONPATH=. python benchmarks/profile_pass.py RUN_DIR --configfile CFG --config NAME --pass exact [--batches 8]
+
+RUN_DIR holds a run's rollouts and pivots (``snakemake ... results/pivots/NAME.parquet`` is enough). The pass's
+batches are those of its real schedule, built as the rule builds them (``replay.build_requests``,
+``make_schedule``, ``with_restep_once``). Two batches warm up (kernel compilation, graph capture); the next N
+run with CUDA events around every decode step, then N more under ``torch.profiler``. Prints the phases
+(``progress.Phases``), the decode step's GPU time against its roofline (weights and every row's KV read once per
+step at 4.8 TB/s, ``replay_throughput.roofline``), the GPU's busy share of the profiled wall time, and the
+busiest kernels and host operators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.replay_throughput import roofline
+from replaynoise import replay
+from replaynoise.config import validate_config
+from replaynoise.engines import make_engine
+from replaynoise.engines.base import SamplingSettings
+from replaynoise.provenance import read_parquet
+
+
+def timed_steps(engine) -> list:
+    """Wrap every static decoder's ``step`` so each records CUDA events around it; returns the event list."""
+    events: list = []
+    for decoder in engine._decoders.values():
+        if getattr(decoder.step, "timed", False):
+            continue
+        inner = decoder.step
+
+        def step(inner=inner):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = inner()
+            end.record()
+            events.append((start, end))
+            return out
+
+        step.timed = True
+        decoder.step = step
+    return events
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path)
+    ap.add_argument("--configfile", type=Path, required=True)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--pass", dest="pass_name", default="exact", choices=sorted(replay.PASSES))
+    ap.add_argument("--batches", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=None, help="JSON summary")
+    args = ap.parse_args(argv)
+
+    cfg = validate_config(yaml.safe_load(args.configfile.read_text()))
+    settings, r = cfg["configs"][args.config], cfg["replay"]
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", settings["model"]).strip("_")
+    results = args.run / "results"
+    engine = make_engine(settings, results / "models" / f"{slug}-{settings['dtype']}", topk=cfg["pivots"]["topk"],
+                         threads=8)
+    pivots = read_parquet(results / "pivots" / f"{args.config}.parquet")
+    rollouts = read_parquet(results / "rollouts" / args.config / "rollouts.parquet")
+    kv_dirs = sorted((results / "rollouts" / args.config / "kv").iterdir())
+    requests = replay.build_requests(pivots, rollouts, pass_name=args.pass_name, k=r["k"], seed=cfg["seed"],
+                                     config_name=args.config, tokenizer=engine.tokenizer, kv_dirs=kv_dirs)
+    schedule = replay.make_schedule(len(requests), r["batch_size"],
+                                    replay.schedule_seed(cfg["seed"], args.config, args.pass_name))
+    requests = replay.with_restep_once(requests, schedule)
+    batches = [[requests[i] for i in rows] for rows in schedule]
+    source = replay.PASSES[args.pass_name].source
+    sampling = SamplingSettings(settings["temperature"] if r["temperature"] is None else r["temperature"],
+                                settings["top_p"] if r["top_p"] is None else r["top_p"], r["max_new_tokens"])
+    n = args.batches
+    if len(batches) < 2 + 2 * n:
+        raise SystemExit(f"the pass has {len(batches)} batches; --batches {n} needs {2 + 2 * n}")
+
+    for batch in batches[:2]:
+        engine.run_batch(batch, source, sampling)
+    torch.cuda.synchronize()
+    warm = dict(engine.phases.seconds)
+    engine.phases.seconds.clear()
+
+    events = timed_steps(engine)
+    start, tokens = time.perf_counter(), 0
+    for batch in batches[2:2 + n]:
+        tokens += sum(len(res.token_ids) for res in engine.run_batch(batch, source, sampling))
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    step_ms = [a.elapsed_time(b) for a, b in events]
+    phases = dict(engine.phases.seconds)
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for batch in batches[2 + n:2 + 2 * n]:
+            engine.run_batch(batch, source, sampling)
+        torch.cuda.synchronize()
+        profiled_wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in averages) / 1e6
+
+    lengths = [len(req.prefix_ids) for batch in batches[2:2 + n] for req in batch]
+    context = sum(lengths) / len(lengths) + r["max_new_tokens"] / 2
+    roof = roofline(engine.model, r["batch_size"], context)
+    median_step = sorted(step_ms)[len(step_ms) // 2]
+    summary = {
+        "config": args.config, "pass": args.pass_name, "device": torch.cuda.get_device_name(),
+        "batch_size": r["batch_size"], "batches": n, "rows": sum(map(len, batches[2:2 + n])), "tokens": tokens,
+        "wall_s": wall, "tokens_per_s": tokens / wall, "phases_s": phases, "warmup_phases_s": warm,
+        "decode_steps": len(step_ms), "step_ms_median": median_step, "step_ms_sum": sum(step_ms),
+        "roofline_step_ms": roof["seconds"] * 1e3, "roofline_fraction": roof["seconds"] * 1e3 / median_step,
+        "mean_context": context, "profiled_wall_s": profiled_wall, "gpu_busy_s": busy,
+        "gpu_busy_share": busy / profiled_wall,
+    }
+    print(json.dumps(summary, indent=1))
+    print(averages.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
