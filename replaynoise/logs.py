@@ -1,9 +1,10 @@
 """Per-rule logs: a step's stderr, warnings and logging all go to the rule's log file.
 
-With ``REPLAYNOISE_PROFILE=DIR`` in the environment every step also writes a cProfile of its whole process to
-``DIR/<rule>.<wildcards>.prof`` (named after its log file), so a slow rule of a real run can be read with
-``python -m pstats`` without changing the workflow. (cProfile does not see into compiled or CUDA work, which it
-charges to the call that waits for it; ``benchmarks/profile_pass.py`` profiles a pass's device work.)"""
+With ``REPLAYNOISE_PROFILE=DIR`` in the environment every step also writes a cProfile of its main thread to
+``DIR/<rule>.<wildcards>.prof`` (named after its log file) when it exits normally (a job killed by a signal
+writes none), so a slow rule of a real run can be read with ``python -m pstats`` without changing the workflow.
+cProfile does not see into compiled or CUDA work, which it charges to the call that waits for it;
+``benchmarks/profile_pass.py`` profiles a pass's device work."""
 
 from __future__ import annotations
 

@@ -151,30 +151,32 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
     golds = dict(zip(rollouts["problem_id"], rollouts["gold"]))
     pivot_problem = dict(zip(pivots["pivot_id"], pivots["problem_id"]))
     pivot_t = dict(zip(pivots["pivot_id"], pivots["t"]))
-    writing = Phases()
+    grading, writing = Phases(), Phases()
 
-    def write(kind, batch_id, batch, results, sseed) -> None:
-        with writing("grade and write (beside the engine)"):
-            frame = graded_batch(batch, results, engine.tokenizer, spec.source, batch_id, sseed, golds,
-                                 pivot_problem, pivot_t)
-            write_parquet(frame, work_dir / f"{kind}_{batch_id:05d}.parquet")
+    def write(kind, batch_id, records) -> None:
+        with writing("write (beside the engine)"):
+            write_parquet(pl.DataFrame(records, schema=PASS_SCHEMA), work_dir / f"{kind}_{batch_id:05d}.parquet")
 
-    # Grading and writing a batch (tokenizer, answer parsing, parquet) run in a thread while the engine runs
-    # the next batch; a batch counts as done only once its file is written.
+    # Grading stays on the main thread (symbolic grading's timeout is a SIGALRM, which only the main thread
+    # may use); building and writing a batch's table run in a thread while the engine runs the next batch. A
+    # resume counts a batch as done only once its file is written.
     with ThreadPoolExecutor(1) as writer:
         pending: list[Future] = []
         for kind, batch_id, batch, samp, sseed in todo:
             if f"{kind}_{batch_id:05d}" in done:
                 continue
             results = engine.run_batch(batch, spec.source, samp)
-            pending.append(writer.submit(write, kind, batch_id, batch, results, sseed))
+            with grading("grade"):
+                records = graded_records(batch, results, engine.tokenizer, spec.source, batch_id, sseed, golds,
+                                         pivot_problem, pivot_t)
+            pending.append(writer.submit(write, kind, batch_id, records))
             for future in [f for f in pending if f.done()]:
                 future.result()  # a failed write stops the pass here, not at the end
                 pending.remove(future)
             progress.rows(len(batch), sum(len(r.token_ids) for r in results))
         for future in pending:
             future.result()
-    progress.close(engine.phases, writing)
+    progress.close(engine.phases, grading, writing)
     parts = [pl.read_parquet(work_dir / f"{kind}_{b:05d}.parquet") for kind, b, *_ in todo]
     frame = pl.concat(parts) if parts else pl.DataFrame(schema=PASS_SCHEMA)
     return gather([frame]) if shard[1] == 1 else frame  # a shard's probes may belong to another's rows
@@ -191,8 +193,8 @@ def with_restep_once(requests: list[ContinuationRequest], schedule: list[list[in
     return [replace(req, restep=i in chosen) for i, req in enumerate(requests)]
 
 
-def graded_batch(batch: list[ContinuationRequest], results: list, tokenizer, source: str, batch_id: int,
-                 sseed: int, golds: dict, pivot_problem: dict, pivot_t: dict) -> pl.DataFrame:
+def graded_records(batch: list[ContinuationRequest], results: list, tokenizer, source: str, batch_id: int,
+                   sseed: int, golds: dict, pivot_problem: dict, pivot_t: dict) -> list[dict]:
     """One batch's rows: each continuation decoded as part of its whole response and graded."""
     records = []
     for req, res in zip(batch, results):
@@ -213,7 +215,7 @@ def graded_batch(batch: list[ContinuationRequest], results: list, tokenizer, sou
             "tail_tokens": None if res.cached_tokens is None else res.prefix_len - res.cached_tokens,
             "restep_match": res.restep_match, "probe_ids": None, "probe_logprob": None,
         })
-    return pl.DataFrame(records, schema=PASS_SCHEMA)
+    return records
 
 
 def gather(shards: list[pl.DataFrame]) -> pl.DataFrame:

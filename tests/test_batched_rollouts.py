@@ -9,6 +9,7 @@ batch-1 run's bit for bit; a wrong offset or padding slice would differ by O(1).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import polars as pl
 import pytest
@@ -141,3 +142,19 @@ def test_kv_outputs_are_hard_links_of_the_scratch_files_where_the_file_system_al
     rollouts.link_or_copy(str(source), str(tmp_path / "copied"))
     copied = tmp_path / "copied"
     assert copied.stat().st_ino != source.stat().st_ino and copied.read_bytes() == source.read_bytes()
+
+
+def test_a_short_batch_decodes_in_a_shape_of_its_own_whatever_ran_before(model, tmp_path):
+    """A resumed pass may start at its short last batch: its static decode must not depend on which decoders
+    the process built before (it used to borrow the full batches' rows), or a resume could change numbers."""
+    made = HFEngine(model, Tokenizer(), decode="static").generate_rollouts(requests(), SAMPLING, tmp_path, keep_all)
+    rows = [replace(r, seed=i) for i, r in enumerate(pivot_requests(made))]
+    full, short = rows[:16], rows[16:21]
+    warm = HFEngine(model, Tokenizer(), decode="static")
+    warm.run_batch(full, "decode_kv", SAMPLING)
+    after_full = warm.run_batch(short, "decode_kv", SAMPLING)
+    cold = HFEngine(model, Tokenizer(), decode="static")
+    alone = cold.run_batch(short, "decode_kv", SAMPLING)
+    assert [r.token_ids for r in after_full] == [r.token_ids for r in alone]
+    assert [r.next_digest for r in after_full] == [r.next_digest for r in alone]
+    assert sorted(rows for rows, _ in cold._decoders) == [8]  # 5 rows: the next power of two

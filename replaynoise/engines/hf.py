@@ -338,14 +338,23 @@ class HFEngine:
         return [by_pivot[req.pivot_id] for req in requests]
 
     def _load_stored(self, requests: list[ContinuationRequest]) -> None:
-        """Read (and hash) the batch's stored KV files not yet on the device, in parallel threads."""
+        """Read (and hash) the batch's stored KV files not yet on the device, in parallel threads, a few at a
+        time (at most ``IO_THREADS`` files' bytes in host memory at once) and no more than the device budget
+        holds (the rest load one by one as their states are built)."""
         missing = list({req.kv_file: req.kv_sha256 for req in requests if req.kv_file not in self._files}.items())
-        if not missing:
+        room, ahead = self._file_budget, []
+        for item in missing:
+            room -= os.path.getsize(item[0]) if os.path.exists(item[0]) else 0
+            if room < 0:
+                break
+            ahead.append(item)
+        if not ahead:
             return
         with ThreadPoolExecutor(IO_THREADS) as pool:
-            read = list(pool.map(lambda item: read_kv_bytes(*item), missing))
-        for (kv_file, _), data in zip(missing, read):
-            self._stored(kv_file, data=data)
+            for start in range(0, len(ahead), IO_THREADS):
+                chunk = ahead[start:start + IO_THREADS]
+                for (kv_file, _), data in zip(chunk, pool.map(lambda item: read_kv_bytes(*item), chunk)):
+                    self._stored(kv_file, data=data)
 
     @staticmethod
     def _remember(cache: OrderedDict, key, value, nbytes: int, budget: int) -> None:
@@ -364,10 +373,7 @@ class HFEngine:
         if kv_file not in self._files:
             if data is None:
                 data = read_kv_bytes(kv_file, expected_sha256)
-            layers, ids = parse_kv(data, kv_file, device=self.device)
-            stacked = stack_layers(layers)
-            if stacked is not None:
-                layers = [(stacked[i, 0], stacked[i, 1]) for i in range(len(layers))]
+            layers, ids, stacked = parse_kv(data, kv_file, device=self.device)
             nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
             self._remember(self._files, kv_file, (layers, ids, stacked), nbytes, self._file_budget)
         self._files.move_to_end(kv_file)
@@ -547,9 +553,10 @@ class HFEngine:
         end-of-sequence token are dropped. Checks for all-finished only every few steps (each check syncs)."""
         n, steps = len(requests), sampling.max_new_tokens
         length = _bucket(max(s.length for s in states) + steps + 1)  # bucketed: the batches of a pass share a graph
-        rows = max([n] + [r for r, l in self._decoders if l == length])
-        if rows > n:  # a short last batch runs in the decoder (graph, compiled kernels) already made, padded with
-            # copies of its first row whose results are dropped: no second compilation and capture per pass
+        rows = _row_bucket(n)
+        if rows > n:  # a short batch runs padded to a power of two (the full batches' shape where the batch size
+            # is one) with copies of its first row whose results are dropped: the shape, and so the numbers,
+            # depend on the batch alone, not on which decoders this process built before a resume
             requests = requests + [requests[0]] * (rows - n)
             states = states + [states[0]] * (rows - n)
         unique: dict[int, int] = {}
@@ -584,6 +591,12 @@ class HFEngine:
             tokens_i, finish = (row[:end + 1], "eos") if end is not None else (row, "length")
             results.append(self._result(req, tokens_i, finish, s, tuple(f[i] for f in firsts)))
         return results
+
+
+def _row_bucket(rows: int) -> int:
+    """Static decoder rows: the next power of two, so a pass's short last batch shares the full batches'
+    decoder (one compilation and graph capture per pass) whenever the batch size is a power of two."""
+    return 1 << max(0, rows - 1).bit_length()
 
 
 def _bucket(length: int, step: int = 256) -> int:
@@ -656,7 +669,7 @@ def load_kv(path: str | Path, expected_sha256: str | None = None, device: torch.
 def load_kv_file(path: str | Path, expected_sha256: str | None = None, device: torch.device | str = "cpu"
                  ) -> tuple[KVLayers, list[int] | None]:
     """A stored cache and the token ids it was computed from (None in files written before ids were stored)."""
-    return parse_kv(read_kv_bytes(path, expected_sha256), path, device)
+    return parse_kv(read_kv_bytes(path, expected_sha256), path, device)[:2]
 
 
 def read_kv_bytes(path: str | Path, expected_sha256: str | None = None) -> bytes:
@@ -675,7 +688,10 @@ def read_kv_bytes(path: str | Path, expected_sha256: str | None = None) -> bytes
 
 
 def parse_kv(data: bytes, path: str | Path, device: torch.device | str = "cpu"
-             ) -> tuple[KVLayers, list[int] | None]:
+             ) -> tuple[KVLayers, list[int] | None, torch.Tensor | None]:
+    """A stored cache from its bytes: per-layer (k, v) on ``device``, the ids, and the layers stacked
+    ([layers, 2, 1, kv_heads, positions, head_dim], the per-layer tensors are its views; None where the layers
+    differ in shape)."""
     try:
         tensors = load(data)
     except (SafetensorError, OSError, ValueError) as exc:
@@ -686,11 +702,10 @@ def parse_kv(data: bytes, path: str | Path, device: torch.device | str = "cpu"
         layers = [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(n_layers)]
     except KeyError as exc:
         raise VerificationError(f"{path}: stored KV lacks tensor {exc}") from exc
-    if str(device) != "cpu":
-        stacked = stack_layers(layers)  # one host-to-device copy per file where the layers allow it
-        if stacked is not None:
-            stacked = stacked.to(device)
-            layers = [(stacked[i, 0], stacked[i, 1]) for i in range(n_layers)]
-        else:
-            layers = [(k.to(device), v.to(device)) for k, v in layers]
-    return layers, None if ids is None else ids.tolist()
+    stacked = stack_layers(layers)  # one host-to-device copy per file where the layers allow it
+    if stacked is not None:
+        stacked = stacked.to(device)
+        layers = [(stacked[i, 0], stacked[i, 1]) for i in range(n_layers)]
+    else:
+        layers = [(k.to(device), v.to(device)) for k, v in layers]
+    return layers, None if ids is None else ids.tolist(), stacked
