@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from replaynoise import replay
 from replaynoise.config import validate_config
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import SamplingSettings
-from replaynoise.provenance import read_parquet
+from replaynoise.provenance import read_json, read_parquet
 
 
 def timed_steps(engine) -> list:
@@ -53,6 +52,16 @@ def timed_steps(engine) -> list:
     return events
 
 
+def prepared_model(results: Path, settings: dict) -> Path:
+    """The run's prepared directory of the configuration's model and dtype, found by the description
+    ``prepare_model`` wrote into it (not by re-deriving the workflow's directory names)."""
+    for info in sorted(results.glob("models/*/replaynoise-model.json")):
+        described = read_json(info)
+        if described["spec"] == settings["model"] and described["dtype"] == settings["dtype"]:
+            return info.parent
+    raise SystemExit(f"{results}/models holds no prepared {settings['model']} in {settings['dtype']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", type=Path)
@@ -65,10 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = validate_config(yaml.safe_load(args.configfile.read_text()))
     settings, r = cfg["configs"][args.config], cfg["replay"]
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", settings["model"]).strip("_")
     results = args.run / "results"
-    engine = make_engine(settings, results / "models" / f"{slug}-{settings['dtype']}", topk=cfg["pivots"]["topk"],
-                         threads=8)
+    engine = make_engine(settings, prepared_model(results, settings), topk=cfg["pivots"]["topk"], threads=8)
     pivots = read_parquet(results / "pivots" / f"{args.config}.parquet")
     rollouts = read_parquet(results / "rollouts" / args.config / "rollouts.parquet")
     kv_dirs = sorted((results / "rollouts" / args.config / "kv").iterdir())

