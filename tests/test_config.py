@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import re
 import shutil
 import subprocess
@@ -63,6 +64,26 @@ def test_committed_config_validates_and_is_complete(committed):
     # Every key is spelled out in config.yaml, so filling defaults adds nothing.
     assert validated == committed
     assert validate_config(validated) == validated
+
+
+CAMPAIGNS = sorted((REPO / "config" / "campaigns").glob("*.yaml")) + sorted(
+    (REPO / "config" / "campaigns" / "gpu").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CAMPAIGNS, ids=lambda p: p.stem)
+def test_every_campaign_file_validates(path):
+    validated = validate_config(yaml.safe_load(path.read_text()))
+    assert validated["configs"]
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen"])
+def test_committed_gpu_reference_was_made_by_its_campaign_file(name):
+    """reference/gpu/<name> must describe config/campaigns/gpu/<name>.yaml as committed: an edit to the file
+    without a new run would leave a reference that no rerun of the file reproduces."""
+    campaign = validate_config(yaml.safe_load((REPO / "config" / "campaigns" / "gpu" / f"{name}.yaml").read_text()))
+    provenance = json.loads((REPO / "reference" / "gpu" / name / "provenance.json").read_text())
+    assert provenance["config"] == campaign
+    assert provenance["analysis_hash"] == analysis_hash(campaign)
 
 
 def test_validate_does_not_mutate_its_argument(committed):

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The reference/gpu campaign on a GPU machine (issue 14): each campaign file of config/campaigns/gpu/ runs in a
+# working directory of its own under $WORK (the lent H200: staged with ../shared/tools/gpu-stage, then
+# `source /root/stage/env.sh`), then what reference/gpu keeps is packed into one tarball per file:
+#   bash benchmarks/h200-campaign.sh OUT_DIR TIMEOUT_S config/campaigns/gpu/smollm2.yaml [more.yaml ...]
+# TIMEOUT_S bounds the whole call; interrupted, a second call resumes every run where it stopped (Snakemake
+# keeps finished jobs, the passes keep finished batches).
+set -uo pipefail
+out=$1 limit=$2; shift 2
+base=${WORK:-$PWD/benchmarks/out}
+end=$((SECONDS + limit))
+for cfg in "$@"; do
+    name=$(basename "$cfg" .yaml)
+    export WORK=$base/$name
+    mkdir -p "$WORK"
+    [ -e "$base/resources" ] && ln -sfn "$base/resources" "$WORK/resources"
+    left=$((end - SECONDS - 20))
+    [ "$left" -gt 30 ] || { echo "$name: no time left"; continue; }
+    echo "== $name ($left s left)"
+    bash benchmarks/h200-pipeline.sh "$cfg" "$left" "$WORK/h200-pipeline.json"
+    if [ -f "$WORK/results/MANIFEST.sha256" ]; then
+        python -m replaynoise.reference snapshot "$WORK/results" "$WORK/reference" >/dev/null
+        mkdir -p "$WORK/reference/credit" "$WORK/reference/logs"
+        cp -r "$WORK"/results/credit/* "$WORK/reference/credit/"
+        cp -r "$WORK"/results/logs/* "$WORK/reference/logs/"
+        cp "$WORK/h200-pipeline.json" "$WORK/reference/"
+        tar -C "$WORK" -czf "$out/$name.tgz" reference
+        ls -la "$out/$name.tgz"
+    fi
+done
