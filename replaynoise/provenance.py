@@ -214,6 +214,23 @@ def verify_manifest(results_dir: str | os.PathLike, manifest: str | os.PathLike)
     return problems
 
 
+def input_checksums(paths: list[str | os.PathLike]) -> dict[str, str]:
+    """{path: sha256} of the files a user gave by path (dataset, local model): they live outside results/, so
+    the manifest cannot hold them, and the provenance record does."""
+    return {str(p): sha256_file(p) for p in sorted(map(str, paths))}
+
+
+def verify_inputs(provenance: str | os.PathLike) -> list[str]:
+    """A line per user-given file recorded in ``provenance`` (``inputs``) that is missing or has changed."""
+    problems = []
+    for path, digest in read_json(provenance).get("inputs", {}).items():
+        if not Path(path).is_file():
+            problems.append(f"MISSING input {path}")
+        elif sha256_file(path) != digest:
+            problems.append(f"DIFFERS input {path} (the results were made from another version of it)")
+    return problems
+
+
 def package_versions() -> dict[str, str | None]:
     versions: dict[str, str | None] = {}
     for name in TRACKED_PACKAGES:

@@ -71,6 +71,15 @@ def kv_locations(kv_dirs: Sequence[Path]) -> dict[str, str]:
     return found
 
 
+def kv_index(kv_dirs: Sequence[Path]) -> dict:
+    """What the passes read of the rollout shards' KV folders: the folders and each file's size. One small file
+    stands between every pass shard and all KV folders, so the plan grows with the shard count, not its
+    square (every pass shard may read any rollout's KV: its batches are drawn from the whole pass)."""
+    return {"folders": [str(d) for d in kv_dirs],
+            "files": {name: {"path": path, "bytes": Path(path).stat().st_size}
+                      for name, path in sorted(kv_locations(kv_dirs).items())}}
+
+
 def build_requests(pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: str, k: int, seed: int,
                    config_name: str, tokenizer=None, kv_dirs: Sequence[Path] | None = None
                    ) -> list[ContinuationRequest]:
@@ -88,8 +97,11 @@ def build_requests(pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: s
         kv_file = r["kv_file"]
         if located is not None and kv_file is not None:
             if kv_file not in located:
-                raise FileNotFoundError(f"KV file {kv_file} of problem {p['problem_id']} is in none of the rollout "
-                                        f"shard folders {[str(d) for d in kv_dirs]}")
+                raise FileNotFoundError(
+                    f"KV file {kv_file} of problem {p['problem_id']} is in none of the rollout shard folders "
+                    f"{[str(d) for d in kv_dirs]}: it was deleted or moved after generate_rollouts wrote it. The "
+                    f"rollouts step rebuilds it (snakemake --forcerun generate_rollouts, or delete the KV folder "
+                    f"of the problem's shard and run again); the KV cannot be recomputed by a pass")
             kv_file = located[kv_file]
         prefix = tuple(r["prompt_ids"] + r["response_ids"][: p["t"]])
         text_ids = None

@@ -72,6 +72,52 @@ def test_model_directory_without_tokenizer_is_refused_before_any_job(tmp_path, s
     assert not (tmp_path / "results").exists()
 
 
+def job_count(proc, rule: str) -> int:
+    """How many jobs of ``rule`` a dry run's 'Job stats' table plans."""
+    table = proc.stdout.split("Job stats:", 1)[1].split("total", 1)[0]
+    found = re.search(rf"^{rule}\s+(\d+)\s*$", table, re.MULTILINE)
+    return int(found.group(1)) if found else 0
+
+
+def test_distinct_local_models_never_share_a_prepared_model(tmp_path, smollm2_dir):
+    """/m/x/y and /m/x_y read alike once slugged: each must still get a prepared model of its own."""
+    models = []
+    for rel in ("m/x/y", "m/x_y"):
+        model = tmp_path / rel
+        model.mkdir(parents=True)
+        for p in smollm2_dir.iterdir():
+            (model / p.name).symlink_to(p)
+        models.append(model)
+    config = with_setting(TINY, "configs", {"a": {**TINY["configs"]["tiny"], "model": str(models[0])},
+                                            "b": {**TINY["configs"]["tiny"], "model": str(models[1])}})
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = snakemake(work, config, "-n")
+    assert job_count(proc, "prepare_model") == 2, proc.stdout[-3000:]
+    keys = set(re.findall(r"results/models/([^\s/,]+)", proc.stdout))
+    assert len(keys) == 2 and all(k.startswith("y-") or k.startswith("x_y-") for k in keys), keys
+
+
+def test_n_problems_beyond_the_dataset_is_refused_before_any_job(tmp_path):
+    proc = snakemake(tmp_path, with_setting(TINY, "dataset.n_problems", 501), check=False)
+    assert_failed_naming(proc, "dataset.n_problems is 501", "simple_addsub has only 500 problems")
+    assert not (tmp_path / "results").exists()
+
+
+def test_edited_dataset_file_reruns_the_sampling_step(tmp_path):
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(f'{{"question": "What is {i} plus 1?", "answer": "{i + 1}"}}\n' for i in range(4)))
+    config = with_setting(with_setting(TINY, "dataset.source", "file"), "dataset.path", str(data))
+    work = tmp_path / "work"
+    work.mkdir()
+    target = "results/problems/file-mine.parquet"
+    snakemake(work, config, target)
+    assert "sample_problems" not in planned_rules(work, config, target)
+    with open(data, "a") as fh:
+        fh.write('{"question": "What is 9 plus 1?", "answer": "10"}\n')
+    assert "sample_problems" in planned_rules(work, config, target)
+
+
 def test_every_output_of_the_workflow_lies_under_results(tmp_path):
     proc = snakemake(tmp_path, TINY, "--dry-run", "--detailed-summary")
     outputs = [line.split("\t")[0] for line in proc.stdout.splitlines() if "\t" in line]
@@ -151,6 +197,16 @@ def test_flipped_byte_in_stored_kv_fails_the_pass_naming_the_file(run_copy):
     # the failed shard is planned again (the gathered table from before the corruption is not rebuilt by a plain
     # rerun: Snakemake rebuilds a missing intermediate only when asked for it; `snakemake verify` names the file)
     assert "replay_exact" in planned_rules(run_copy, TINY, *failed["replay_exact"])
+    assert_nothing_half_written(run_copy)
+
+
+def test_deleted_kv_file_fails_the_pass_naming_the_step_that_rebuilds_it(run_copy):
+    kv = sorted((run_copy / "results" / "rollouts" / "tiny" / "kv").glob("*/*.safetensors"))[0]
+    kv.unlink()
+    proc = snakemake(run_copy, TINY, "results/passes/tiny/exact.parquet", "--forcerun", "replay_exact",
+                     check=False)
+    assert_failed_naming(proc, kv.name, "deleted or moved after generate_rollouts wrote it",
+                         "snakemake --forcerun generate_rollouts")
     assert_nothing_half_written(run_copy)
 
 

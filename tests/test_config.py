@@ -17,6 +17,7 @@ from replaynoise.config import (
     DEFAULT_CONFIG_PATH,
     ConfigError,
     analysis_hash,
+    check_config_file,
     deviations,
     load_schema,
     validate_config,
@@ -324,7 +325,7 @@ def test_snakemake_dry_run_lists_the_whole_pipeline(tmp_path):
     expected = {"sample_problems", "prepare_model", "generate_rollouts", "select_pivots", "replay_exact",
                 "replay_replica", "replay_refeed", "replay_selector", "compute_credit", "compare_passes",
                 "compare_pooled", "headline_tables", "manifest", "all", "gather_rollouts", "gather_pass",
-                "cost_report"}
+                "cost_report", "index_kv"}
     figures = {f"figure_{name}" for name in ("disagreement", "kinds_of_change", "jaccard_sweep", "diff_histogram",
                                              "disagreement_vs_margin")}
     assert set(jobs) == expected | figures, output
@@ -345,3 +346,49 @@ def test_snakemake_dry_run_follows_the_configured_passes(tmp_path):
     assert {"replay_exact", "replay_replica", "replay_refeed"} <= set(jobs)
     assert "replay_selector" not in jobs
     assert jobs["compute_credit"] == 3
+
+
+# --- issue 18: values the schema lets through ----------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value", [("replay.k", 4.0), ("rollouts.per_problem", 8.0),
+                                        ("configs.smollm2-bf16.max_new_tokens", 40.0)])
+def test_integer_keys_given_as_floats_are_refused_by_name(committed, key, value):
+    with pytest.raises(ConfigError, match=rf"config key {re.escape(key)}: {value!r} is not an integer \(write "
+                                          rf"{int(value)}\)"):
+        validate_config(with_value(committed, key, value))
+
+
+def test_reordered_keys_give_the_same_validated_text(committed):
+    """Snakemake compares params as text: a reordered file must not rerun every step."""
+    reordered = {key: committed[key] for key in reversed(list(committed))}
+    reordered["replay"] = {key: committed["replay"][key] for key in reversed(list(committed["replay"]))}
+    assert repr(validate_config(reordered)) == repr(validate_config(committed))
+
+
+def test_duplicate_yaml_key_is_refused_naming_the_key_and_both_lines(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 1\nreplay:\n  k: 4\n  batch_size: 8\n  k: 8\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:5: key 'k' given twice in one mapping \(first at line 3\)"):
+        check_config_file(path)
+    path.write_text("seed: 1\nreplay:\n  k: 4\n")
+    check_config_file(path)
+
+
+def test_reserved_configuration_name_is_refused(committed):
+    config = with_value(committed, "configs", {"pooled": committed["configs"][CONFIG_NAME]})
+    with pytest.raises(ConfigError, match=r"configs\.pooled: the name 'pooled' is reserved"):
+        validate_config(config)
+
+
+def test_budgets_beyond_the_models_context_are_refused_by_name(committed):
+    with pytest.raises(ConfigError, match=r"configs\.smollm2-bf16\.max_new_tokens \+ replay\.max_new_tokens: .*"
+                                          r"10000040, beyond the 8192 positions smollm2-135m"):
+        validate_config(with_value(committed, "replay.max_new_tokens", 10_000_000))
+    validate_config(with_value(committed, "replay.max_new_tokens", 4000))
+
+
+def test_report_captions_substitute_nothing_by_accident():
+    """Captions are templates: a lone brace (``{|A| >= theta}``) is read as a substitution and fails the report."""
+    for caption in (REPO / "workflow" / "report").glob("*.rst"):
+        text = re.sub(r"\{\{.*?\}\}", "", caption.read_text())
+        assert "{" not in text and "}" not in text, caption.name

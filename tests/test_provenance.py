@@ -205,6 +205,19 @@ def test_manifest_files_dedupes_and_refuses_missing_inputs(results):
 # --- checksums and hashing ------------------------------------------------------------------------------------
 
 
+def test_verify_inputs_reports_an_edited_or_missing_user_file(tmp_path):
+    data, model = tmp_path / "data.jsonl", tmp_path / "model.safetensors"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n')
+    model.write_bytes(b"weights")
+    record = tmp_path / "provenance.json"
+    record.write_text(json.dumps({"inputs": provenance.input_checksums([str(model), str(data)])}))
+    assert provenance.verify_inputs(record) == []
+    data.write_text('{"question": "1+2?", "answer": "3"}\n')
+    model.unlink()
+    assert provenance.verify_inputs(record) == [
+        f"DIFFERS input {data} (the results were made from another version of it)", f"MISSING input {model}"]
+
+
 def test_check_sha256(tmp_path):
     path = tmp_path / "pinned.bin"
     path.write_bytes(b"\x00pinned\xff" * 1000)

@@ -6,13 +6,20 @@ from snakemake.exceptions import WorkflowError
 
 sys.path.insert(0, workflow.basedir)
 
-from replaynoise.config import ConfigError, analysis_hash, validate_config  # noqa: E402
+from replaynoise.config import ConfigError, analysis_hash, check_config_file, validate_config  # noqa: E402
+from replaynoise.data import check_n_problems  # noqa: E402
+from replaynoise.models import model_source_files, resolve_model_spec  # noqa: E402
+from replaynoise.provenance import stable_hash  # noqa: E402
 from replaynoise.replay import PASSES  # noqa: E402
 from replaynoise.shards import shard_names  # noqa: E402
 
 try:
+    for _path in workflow.configfiles:  # Snakemake's YAML loader keeps the last of two equal keys, silently
+        check_config_file(_path)
     _validated = validate_config(config)
-except ConfigError as exc:
+    # a dataset too small for n_problems is refused here, before Snakemake deletes any output to redo it
+    check_n_problems(_validated["dataset"], Path("resources/packages"))
+except (ConfigError, ValueError) as exc:
     raise WorkflowError(str(exc)) from None
 config.clear()
 config.update(_validated)
@@ -43,13 +50,35 @@ def dataset_name():
 
 
 def model_key(name):
-    """Configurations that share model and dtype share one prepared model directory."""
+    """Configurations that share model and dtype share one prepared model directory. A local directory's key
+    carries a short hash of its resolved path beside the readable name, so no two directories ever share one
+    (``/m/x/y`` and ``/m/x_y`` read alike once slugged)."""
     settings = config["configs"][name]
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", settings["model"]).strip("_")
-    return f"{slug}-{settings['dtype']}"
+    kind, source = resolve_model_spec(settings["model"])
+    if kind == "packaged":
+        return f"{settings['model']}-{settings['dtype']}"
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name).strip("_") or "model"
+    return f"{slug}-{stable_hash(str(source.resolve()))[:8]}-{settings['dtype']}"
 
 
 MODEL_KEYS = {model_key(c): config["configs"][c] for c in CONFIGS}
+
+
+def dataset_files(wildcards=None):
+    """The user's dataset file, an input of sample_problems, so that an edit to it reruns what depends on it."""
+    return [config["dataset"]["path"]] if config["dataset"]["source"] == "file" else []
+
+
+def model_files(wildcards):
+    """The files of a local model directory (none for a packaged model), inputs of prepare_model."""
+    return model_source_files(MODEL_KEYS[wildcards.model_key]["model"])
+
+
+def user_inputs():
+    """Every file a user gave by path (dataset, local models): provenance.json records their sha256 and the
+    verify rule checks them again."""
+    return sorted(set(dataset_files()) | {str(f) for c in CONFIGS for f in model_source_files(
+        config["configs"][c]["model"])})
 
 
 def problems_file():
@@ -104,6 +133,10 @@ def kv_dirs(wildcards):
     return [kv_dir(wildcards.config, s) for s in SHARDS]
 
 
+def kv_index_file(config_name):
+    return f"results/rollouts/{config_name}/kv.json"
+
+
 def pass_shard_file(config_name, pass_name, shard):
     return f"results/passes/{config_name}/{pass_name}/{shard}.parquet"
 
@@ -141,7 +174,7 @@ def manifest_inputs(wildcards=None):
     files += sorted({f"results/models/{model_key(c)}" for c in CONFIGS})
     for c in CONFIGS:
         files += [rollout_shard_file(c, s) for s in SHARDS] + [kv_dir(c, s) for s in SHARDS]
-        files += [f"results/rollouts/{c}/rollouts.parquet", f"results/pivots/{c}.parquet"]
+        files += [f"results/rollouts/{c}/rollouts.parquet", kv_index_file(c), f"results/pivots/{c}.parquet"]
         files += [pass_shard_file(c, p, s) for p in RUN_PASSES for s in SHARDS]
         files += [pass_file(c, p) for p in RUN_PASSES] + [credit_file(c, p) for p in RUN_PASSES]
         files += [f"results/analysis/{c}/comparison.json", f"results/analysis/{c}/channels.csv"]

@@ -1,5 +1,7 @@
 rule sample_problems:
     localrule: True
+    input:
+        dataset_files,
     output:
         "results/problems/{dataset}.parquet",
     params:

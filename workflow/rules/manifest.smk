@@ -10,6 +10,7 @@ rule manifest:
         config=config,
         analysis_hash=ANALYSIS_HASH,
         repo=workflow.basedir,
+        inputs=user_inputs(),
     log:
         f"{LOGS}/manifest.log",
     conda:
@@ -23,6 +24,7 @@ rule verify:
     localrule: True
     params:
         manifest="results/MANIFEST.sha256",
+        provenance="results/provenance.json",
     log:
         f"{LOGS}/verify.log",
     conda:

@@ -1,4 +1,6 @@
 rule prepare_model:
+    input:
+        model_files,
     output:
         directory("results/models/{model_key}"),
     params:

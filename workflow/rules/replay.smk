@@ -9,7 +9,7 @@ for _pass in RUN_PASSES:
         input:
             model=model_dir,
             rollouts="results/rollouts/{config}/rollouts.parquet",
-            kv=kv_dirs,
+            kv=kv_index_file("{config}"),
             pivots="results/pivots/{config}.parquet",
         output:
             pass_shard_file("{config}", _pass, "{shard}"),

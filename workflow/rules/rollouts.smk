@@ -45,3 +45,20 @@ rule gather_rollouts:
         "../../envs/analysis.yaml"
     script:
         "../scripts/gather.py"
+
+
+# Every pass shard reads the KV folders of all rollout shards; it depends on this one small index of them.
+rule index_kv:
+    localrule: True
+    input:
+        kv_dirs,
+    output:
+        kv_index_file("{config}"),
+    params:
+        code=code_version("replay", "provenance"),
+    log:
+        f"{LOGS}/index_kv/{{config}}.log",
+    conda:
+        "../../envs/analysis.yaml"
+    script:
+        "../scripts/index_kv.py"
