@@ -2,8 +2,7 @@
 exit, and no output that a rerun would take as finished.
 
 "Would take as finished" is checked the way Snakemake decides it: after the failure, a dry run of the same target
-still plans the failed step. (A dry run of the default target may not: Snakemake does not rebuild a missing
-intermediate file whose downstream results exist and are newer, so those results stay what they were.)
+still plans the failed step (and so does one of the default target, whose inputs are every output).
 """
 
 from __future__ import annotations
@@ -194,9 +193,9 @@ def test_flipped_byte_in_stored_kv_fails_the_pass_naming_the_file(run_copy):
     assert set(failed) == {"replay_exact"} and failed["replay_exact"], failed
     for output in failed["replay_exact"]:
         assert not (run_copy / output).exists(), output
-    # the failed shard is planned again (the gathered table from before the corruption is not rebuilt by a plain
-    # rerun: Snakemake rebuilds a missing intermediate only when asked for it; `snakemake verify` names the file)
+    # the failed shard is planned again, by its own target and by a plain rerun
     assert "replay_exact" in planned_rules(run_copy, TINY, *failed["replay_exact"])
+    assert "replay_exact" in planned_rules(run_copy, TINY)
     assert_nothing_half_written(run_copy)
 
 
@@ -208,6 +207,16 @@ def test_deleted_kv_file_fails_the_pass_naming_the_step_that_rebuilds_it(run_cop
     assert_failed_naming(proc, kv.name, "deleted or moved after generate_rollouts wrote it",
                          "snakemake --forcerun generate_rollouts")
     assert_nothing_half_written(run_copy)
+
+
+def test_a_shard_lost_to_an_interrupted_forcerun_is_rebuilt_by_the_next_plain_run(run_copy):
+    """--forcerun deletes a step's outputs before running it; Ctrl-C then leaves the shard missing while the
+    gathered table downstream still exists. The next plain run must not say "Nothing to be done"."""
+    assert planned_rules(run_copy, TINY) == set()
+    (run_copy / "results" / "passes" / "tiny" / "exact" / "000.parquet").unlink()
+    planned = planned_rules(run_copy, TINY)
+    assert {"replay_exact", "gather_pass", "manifest"} <= planned, planned
+    assert "generate_rollouts" not in planned and "replay_refeed" not in planned, planned
 
 
 def test_truncated_parquet_fails_the_next_step_naming_the_file(run_copy):
