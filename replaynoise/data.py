@@ -591,6 +591,8 @@ def check_n_problems(dataset: dict, cache_dir: Path) -> None:
         name, available = source, PACKAGED_DATASETS[source].rows
     else:
         raise _unknown_source(source)
+    if available == 0:
+        raise ValueError(f"{name}: no problems")
     if n > available:
         raise ValueError(f"dataset.n_problems is {n}, but {name} has only {available} problems")
 
