@@ -33,3 +33,11 @@ rule all:
         "results/MANIFEST.sha256",
         "results/provenance.json",
         "results/cost/cost.md",
+
+
+# The run's answer on the terminal, so a first run ends with what it measured and where the files are.
+onsuccess:
+    if Path("results/tables/headline.csv").is_file():
+        print(run_summary("results/tables/headline.csv"))
+        print("Tables: results/tables/headline.{md,csv,tex}; figures: results/figures/; "
+              "every file's sha256: results/MANIFEST.sha256")

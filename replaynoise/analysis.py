@@ -14,6 +14,7 @@ mean-zero test, margin split) are the defaults; ours are kept beside them under 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -313,8 +314,21 @@ def _arrays(sel: pl.DataFrame, names: Sequence[str]) -> dict[str, np.ndarray]:
     return {n: sel[_pass_cols(n)["a_hat"]].cast(pl.Float64).to_numpy() for n in names}
 
 
+def too_few_note(n: int, min_eligible: int, n_problems_with_pivots: int) -> str:
+    """Why a conditioning prints no numbers, and what would print them: at this run's yield of eligible pivots
+    per problem, how many more problems (a small run hits min_eligible long before it is wrong)."""
+    note = f"too few eligible pivots (n={n} < min_eligible={min_eligible})"
+    if n == 0 or n_problems_with_pivots == 0:
+        return (f"{note}; none at all here: raise dataset.n_problems, rollouts.per_problem or pivots.per_rollout "
+                "(or replay.k, which makes a nonzero estimate likelier)")
+    per_problem = n / n_problems_with_pivots
+    more = math.ceil((min_eligible - n) / per_problem)
+    return (f"{note}; at {per_problem:.2f} eligible pivots per problem with pivots, about {more} more such "
+            f"problems would reach it (dataset.n_problems, or rollouts.per_problem / pivots.per_rollout)")
+
+
 def _extra_comparisons(sel: pl.DataFrame, extras: Sequence[str], *, metric: str, n_boot: int, seed: int,
-                       min_eligible: int, ci: float) -> dict:
+                       min_eligible: int, ci: float, n_problems_with_pivots: int) -> dict:
     """D(exact, p) and D(refeed, p) for every further pass p, on the block's pivots also eligible in p."""
     out = {}
     for name in extras:
@@ -328,13 +342,14 @@ def _extra_comparisons(sel: pl.DataFrame, extras: Sequence[str], *, metric: str,
         }
         if sub.height < min_eligible:
             entry = _null_numbers(entry)
-            entry["note"] = f"too few eligible pivots (n={sub.height} < min_eligible={min_eligible})"
+            entry["note"] = too_few_note(sub.height, min_eligible, n_problems_with_pivots)
         out[name] = entry
     return out
 
 
 def _metric_stats(sel: pl.DataFrame, a: dict[str, np.ndarray], clusters: Clusters, extras: Sequence[str], *,
-                  metric: str, margin_split: float, n_boot: int, seed: int, min_eligible: int, ci: float) -> dict:
+                  metric: str, margin_split: float, n_boot: int, seed: int, min_eligible: int, ci: float,
+                  n_problems_with_pivots: int) -> dict:
     """The statistics of one conditioning that depend on the disagreement metric: ours and the paper's."""
     e, rep, ref = a["exact"], a["replica"], a["refeed"]
     refeed_flips, floor_flips = disagree(e, ref, metric), disagree(e, rep, metric)
@@ -356,12 +371,14 @@ def _metric_stats(sel: pl.DataFrame, a: dict[str, np.ndarray], clusters: Cluster
         "margin_split": margin_split_rates(sel["margin"].cast(pl.Float64).fill_null(np.nan).to_numpy(),
                                            refeed_flips, floor_flips, margin_split),
         "other_passes": _extra_comparisons(sel, extras, metric=metric, n_boot=n_boot, seed=seed,
-                                           min_eligible=min_eligible, ci=ci),
+                                           min_eligible=min_eligible, ci=ci,
+                                           n_problems_with_pivots=n_problems_with_pivots),
     }
 
 
 def _block(sel: pl.DataFrame, extras: Sequence[str], *, metric: str, theta: float, sweep: Sequence[float],
-           margin_split: float, n_boot: int, seed: int, min_eligible: int, ci: float) -> dict:
+           margin_split: float, n_boot: int, seed: int, min_eligible: int, ci: float,
+           n_problems_with_pivots: int) -> dict:
     """All statistics of one conditioning over the selected pivots.
 
     The metric-dependent statistics appear once per metric under ``by_metric``, and those of the headline
@@ -372,7 +389,8 @@ def _block(sel: pl.DataFrame, extras: Sequence[str], *, metric: str, theta: floa
     e, rep, ref = a["exact"], a["replica"], a["refeed"]
     d = ref - e
     by_metric = {m: _metric_stats(sel, a, clusters, extras, metric=m, margin_split=margin_split, n_boot=n_boot,
-                                  seed=seed, min_eligible=min_eligible, ci=ci) for m in METRICS}
+                                  seed=seed, min_eligible=min_eligible, ci=ci,
+                                  n_problems_with_pivots=n_problems_with_pivots) for m in METRICS}
     head = by_metric[metric]
     block: dict[str, Any] = {
         "available": True,
@@ -397,7 +415,7 @@ def _block(sel: pl.DataFrame, extras: Sequence[str], *, metric: str, theta: floa
     }
     if sel.height < min_eligible:
         block = _null_numbers(block)
-        block["note"] = f"too few eligible pivots (n={sel.height} < min_eligible={min_eligible})"
+        block["note"] = too_few_note(sel.height, min_eligible, n_problems_with_pivots)
     return block
 
 
@@ -436,7 +454,8 @@ def compare_passes(credit: Mapping[str, pl.DataFrame], *, theta: float, theta_sw
             block: dict[str, Any] = {"available": False, "reason": reason}
         else:
             block = _block(sel, extras, metric=metric, theta=theta, sweep=sweep, margin_split=margin_split,
-                           n_boot=n_boot, seed=seed, min_eligible=min_eligible, ci=ci)
+                           n_boot=n_boot, seed=seed, min_eligible=min_eligible, ci=ci,
+                           n_problems_with_pivots=wide["problem_id"].n_unique())
         block["definition"] = CONDITIONING_DEFINITIONS[cond]
         out["conditionings"][cond] = block
     out["selection_all_pivots"] = _selection_all(wide, theta, n_boot=n_boot, seed=seed, ci=ci)

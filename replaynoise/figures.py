@@ -1,4 +1,4 @@
-"""The five result figures, as PNG and PDF with byte-reproducible output.
+"""The six result figures, as PNG and PDF with byte-reproducible output.
 
 Figures are built on ``matplotlib.figure.Figure`` with an Agg canvas, never through pyplot, so no global
 figure state leaks between calls. Timestamps and tool versions are kept out of the file metadata, so the
@@ -303,5 +303,63 @@ def plot_disagreement_vs_margin(credits: Mapping[str, Mapping[str, pl.DataFrame]
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, out_png, out_pdf)
+
+
+# ------------------------------------------------------------------------------- 6 channel agreement
+
+#: (label, where the share comes from): channels.csv's row and pivot channels, and the greedy probe's
+#: first-step log-probs in comparison.json. Defined on every pivot, eligible or not, so never empty.
+AGREEMENT_CHANNELS = (("first-step log-probs\nbit-exact", "probe"), ("continuation\ntokens", "token_ids"),
+                      ("answers", "answer"), ("success\ncounts", "success_counts"), ("credit Â", "a_hat"))
+
+
+def channel_shares(comparison: dict, channels: pl.DataFrame, other: str) -> list[float]:
+    """Share of rows (or pivots) identical between exact and ``other`` per AGREEMENT_CHANNELS; nan where the
+    run did not measure it (the probe with replay.probe_tokens 0)."""
+    out = []
+    for _, key in AGREEMENT_CHANNELS:
+        if key == "probe":
+            probe = ((comparison or {}).get("probe") or {}).get(other) or {}
+            out.append(_nan(probe.get("bit_exact_share")))
+            continue
+        hit = channels.filter((pl.col("pass_a") == "exact") & (pl.col("pass_b") == other)
+                              & (pl.col("channel") == key))
+        out.append(float(hit["share_identical"][0]) if hit.height else np.nan)
+    return out
+
+
+def plot_channel_agreement(data: Mapping[str, tuple[dict, pl.DataFrame]] | None, out_png: PathLike,
+                           out_pdf: PathLike, conditioning: str = "main") -> None:
+    """Per configuration, how much of the exact pass each replay reproduces, channel by channel: the replica
+    (other batches, same noise) against re-feed. It needs no eligible pivots, so even a run too small for any
+    credit statistic shows where re-feeding departs from the decode-time state. ``conditioning`` is unused:
+    every pivot counts."""
+    del conditioning
+    title = "Agreement with the exact pass, by channel (share identical; all pivots)"
+    data = {c: d for c, d in (data or {}).items() if d[1].height}
+    if not data:
+        save_figure(_message_figure("no channels measured (channels.csv is empty)", title), out_png, out_pdf)
+        return
+    fig = _new_figure(7.5, 2.6 * len(data) + 0.8)
+    x = np.arange(len(AGREEMENT_CHANNELS))
+    for row, (cfg, (comparison, channels)) in enumerate(data.items()):
+        ax = fig.add_subplot(len(data), 1, row + 1)
+        for offset, other, key in ((-0.2, "replica", "floor"), (0.2, "refeed", "refeed")):
+            shares = np.array(channel_shares(comparison, channels, other))
+            ax.bar(x + offset, np.nan_to_num(shares), 0.38, color=COLORS[key], label=f"exact vs {other}")
+            for xi, share in zip(x + offset, shares):
+                ax.text(xi, (0 if np.isnan(share) else share) + 0.02, "n/a" if np.isnan(share) else f"{share:.2f}",
+                        ha="center", va="bottom", fontsize=7)
+        drift = ((comparison or {}).get("verification") or {}).get("refeed_kv_maxdiff") or {}
+        note = "" if drift.get("median") is None else f"; re-feed KV max |diff| median {drift['median']:.3g}"
+        ax.set_title(f"{cfg} ({(comparison or {}).get('n_pivots', '?')} pivots{note})", fontsize=9)
+        ax.set_ylim(0, 1.32)
+        ax.set_ylabel("share identical", fontsize=8)
+        ax.set_xticks(x, [label for label, _ in AGREEMENT_CHANNELS], fontsize=7)
+        if row == 0:
+            ax.legend(fontsize=7, loc="upper center", ncols=2, frameon=False)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     save_figure(fig, out_png, out_pdf)

@@ -242,7 +242,10 @@ def test_informative_without_counts_is_unavailable_not_a_crash() -> None:
 def test_too_few_eligible_pivots_nulls_every_number() -> None:
     res = run(case_credit(), min_eligible=10)
     main = res["conditionings"]["main"]
-    assert main["note"] == "too few eligible pivots (n=7 < min_eligible=10)"
+    # 7 eligible pivots from 4 problems: 1.75 a problem, so 2 more problems reach 10 (a small run says so)
+    assert main["note"] == ("too few eligible pivots (n=7 < min_eligible=10); at 1.75 eligible pivots per problem "
+                            "with pivots, about 2 more such problems would reach it (dataset.n_problems, or "
+                            "rollouts.per_problem / pivots.per_rollout)")
     assert main["n"] == 7 and main["n_problems"] == 4
     assert main["disagreement"]["exact_vs_refeed"]["estimate"] is None
     assert main["disagreement"]["exact_vs_refeed"]["n_disagree"] is None
@@ -503,7 +506,8 @@ def test_no_eligible_pivots_at_all() -> None:
             assert block["n"] == 0 and block["disagreement"]["exact_vs_refeed"]["estimate"] is None
             assert block["clustered_t"]["coef"] is None
         json.dumps(res)
-    assert res["conditionings"]["main"]["note"] == "too few eligible pivots (n=0 < min_eligible=5)"
+    assert res["conditionings"]["main"]["note"].startswith(
+        "too few eligible pivots (n=0 < min_eligible=5); none at all here: raise dataset.n_problems")
 
 
 def test_channel_agreement_refuses_duplicated_rows() -> None:

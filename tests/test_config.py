@@ -327,7 +327,7 @@ def test_snakemake_dry_run_lists_the_whole_pipeline(tmp_path):
                 "compare_pooled", "headline_tables", "manifest", "all", "gather_rollouts", "gather_pass",
                 "cost_report", "index_kv"}
     figures = {f"figure_{name}" for name in ("disagreement", "kinds_of_change", "jaccard_sweep", "diff_histogram",
-                                             "disagreement_vs_margin")}
+                                             "disagreement_vs_margin", "channel_agreement")}
     assert set(jobs) == expected | figures, output
     assert jobs["compute_credit"] == jobs["gather_pass"] == 4  # one configuration x four passes
     assert jobs["generate_rollouts"] == 1 and jobs["replay_exact"] == 1  # 12 problems fit one shard of 50

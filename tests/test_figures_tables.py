@@ -172,3 +172,30 @@ def test_table1_layout_names_metric_and_prints_undefined_as_dash(data) -> None:
     assert "—" in tiny and "n/a" not in text
     with pytest.raises(ValueError, match="'nope'"):
         render_table1(headline_rows(results), conditioning="nope")
+
+
+def _channels(shares: dict[tuple[str, str], float]) -> pl.DataFrame:
+    return pl.DataFrame([{"pass_a": "exact", "pass_b": other, "channel": channel, "n": 10, "share_identical": share}
+                         for (other, channel), share in shares.items()])
+
+
+def test_channel_agreement_reads_each_channel_and_marks_what_was_not_measured() -> None:
+    channels = _channels({("replica", "token_ids"): 1.0, ("refeed", "token_ids"): 0.75, ("refeed", "a_hat"): 0.5})
+    comparison = {"probe": {"refeed": {"bit_exact_share": 0.0}, "replica": {"bit_exact_share": 1.0}}}
+    refeed = figures.channel_shares(comparison, channels, "refeed")
+    assert refeed[:2] == [0.0, 0.75] and refeed[4] == 0.5 and np.isnan(refeed[2]) and np.isnan(refeed[3])
+    assert np.isnan(figures.channel_shares({"probe": {}}, channels, "replica")[0])  # probe_tokens 0: no probe
+
+
+def test_channel_agreement_figure_has_numbers_where_credit_statistics_have_none(tmp_path: Path, data) -> None:
+    """The tiny fixture's configuration is below min_eligible: its credit figures only quote the note, while
+    the channel figure still draws its bars."""
+    _, results = data
+    channels = _channels({("replica", "token_ids"): 1.0, ("refeed", "token_ids"): 0.6})
+    drawn, other, empty = (tmp_path / f"{n}.png" for n in ("drawn", "other", "empty"))
+    figures.plot_channel_agreement({"tiny": (results["tiny"], channels)}, drawn, tmp_path / "drawn.pdf")
+    figures.plot_channel_agreement({"tiny": (results["tiny"], _channels({("refeed", "token_ids"): 0.2}))}, other,
+                                   tmp_path / "other.pdf")
+    figures.plot_channel_agreement({"tiny": (results["tiny"], channels.clear())}, empty, tmp_path / "empty.pdf")
+    assert drawn.read_bytes()[:4] == b"\x89PNG" and drawn.stat().st_size > empty.stat().st_size
+    assert drawn.read_bytes() != other.read_bytes() != empty.read_bytes()

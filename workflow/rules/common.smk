@@ -12,6 +12,7 @@ from replaynoise.models import model_source_files, resolve_model_spec  # noqa: E
 from replaynoise.provenance import stable_hash  # noqa: E402
 from replaynoise.replay import PASSES  # noqa: E402
 from replaynoise.shards import shard_names  # noqa: E402
+from replaynoise.tables import run_summary  # noqa: E402
 
 try:
     for _path in workflow.configfiles:  # Snakemake's YAML loader keeps the last of two equal keys, silently

@@ -48,7 +48,28 @@ for _fig in FIGURES_FROM_CREDIT:
             "../scripts/figure.py"
 
 
+rule figure_channel_agreement:
+    localrule: True
+    input:
+        comparisons=expand("results/analysis/{config}/comparison.json", config=CONFIGS),
+        channels=expand("results/analysis/{config}/channels.csv", config=CONFIGS),
+    output:
+        **figure_outputs("channel_agreement"),
+    params:
+        code=code_version("figures", "analysis", "stats", "credit", "provenance"),
+        figure="channel_agreement",
+        configs=CONFIGS,
+        conditioning=config["figures"]["conditioning"],
+    log:
+        f"{LOGS}/figure_channel_agreement.log",
+    conda:
+        "../../envs/analysis.yaml"
+    script:
+        "../scripts/figure.py"
+
+
 rule figures:
     localrule: True
     input:
-        expand("results/figures/{name}.{ext}", name=FIGURES_FROM_COMPARISONS + FIGURES_FROM_CREDIT, ext=["png", "pdf"]),
+        expand("results/figures/{name}.{ext}", name=FIGURES_FROM_COMPARISONS + FIGURES_FROM_CREDIT + ["channel_agreement"],
+               ext=["png", "pdf"]),
