@@ -11,7 +11,14 @@ import pytest
 from replaynoise import figures
 from replaynoise.analysis import CONDITIONINGS, HEADLINE_SCHEMA, compare_passes, headline_rows
 from replaynoise.credit import CREDIT_COLUMNS
-from replaynoise.tables import PAPER_RANGES, paper_range, render_table1, tex_escape, write_headline_tables
+from replaynoise.tables import (
+    PAPER_RANGES,
+    paper_range,
+    render_table1,
+    run_summary,
+    tex_escape,
+    write_headline_tables,
+)
 
 K = 4
 HASH = "deadbeef01234567"
@@ -199,3 +206,18 @@ def test_channel_agreement_figure_has_numbers_where_credit_statistics_have_none(
     figures.plot_channel_agreement({"tiny": (results["tiny"], channels.clear())}, empty, tmp_path / "empty.pdf")
     assert drawn.read_bytes()[:4] == b"\x89PNG" and drawn.stat().st_size > empty.stat().st_size
     assert drawn.read_bytes() != other.read_bytes() != empty.read_bytes()
+
+
+def test_run_summary_prints_the_main_rows_with_numbers_or_the_analysis_note(tmp_path: Path) -> None:
+    path = tmp_path / "headline.csv"
+    path.write_text("# analysis_hash: x\nconfig,conditioning,metric,n,n_problems,refeed_disagreement,floor,excess_pp,"
+                    "excess_pp_ci_lo,excess_pp_ci_hi,t_per_problem,note\n"
+                    "a,main,sign,466,108,0.23,0.0,23.0,18.2,27.6,8.14,n/a\n"
+                    "a,none,sign,900,120,0.1,0.0,10.0,8.0,12.0,5.0,n/a\n"
+                    "b,main,sign,4,2,n/a,n/a,n/a,n/a,n/a,n/a,too few eligible pivots (n=4 < min_eligible=10)\n")
+    text = run_summary(path)
+    lines = text.splitlines()
+    assert "main conditioning, sign metric" in lines[0]
+    assert lines[3].split() == ["a", "466", "(108)", "23.0", "0.0", "+23.0", "[+18.2,", "+27.6]", "8.14"]
+    assert lines[4].split() == ["b", "4", "(2)", "n/a", "n/a", "n/a", "n/a"]
+    assert lines[5] == "  b: too few eligible pivots (n=4 < min_eligible=10)" and len(lines) == 6
