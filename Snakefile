@@ -22,14 +22,14 @@ include: "workflow/rules/manifest.smk"
 include: "workflow/rules/cost.smk"
 
 
-# Every output is a target, not only the manifest: a file lost between runs (a --forcerun interrupted after
-# Snakemake deleted the step's output) is rebuilt by the next plain run, where Snakemake would otherwise keep a
-# missing intermediate whose downstream results exist.
+# Lost shards are targets too: a shard deleted between runs (a --forcerun interrupted after Snakemake deleted
+# the step's output) is rebuilt by the next plain run, where Snakemake would keep a missing intermediate whose
+# gathered table still exists.
 rule all:
     default_target: True
     localrule: True
     input:
-        manifest_inputs,
+        lost_shards,
         "results/MANIFEST.sha256",
         "results/provenance.json",
         "results/cost/cost.md",

@@ -265,7 +265,7 @@ def test_deviations_list_exactly_the_changed_keys(committed):
     found = deviations(validate_config(config))
     assert found == [
         {"key": f"configs.{CONFIG_NAME}.temperature", "value": 1.0, "default": 0.7},
-        {"key": "dataset.n_problems", "value": 30, "default": 12},
+        {"key": "dataset.n_problems", "value": 30, "default": 16},
         {"key": "replay.k", "value": 8, "default": 4},
     ]
 
@@ -330,7 +330,7 @@ def test_snakemake_dry_run_lists_the_whole_pipeline(tmp_path):
                                              "disagreement_vs_margin", "channel_agreement")}
     assert set(jobs) == expected | figures, output
     assert jobs["compute_credit"] == jobs["gather_pass"] == 4  # one configuration x four passes
-    assert jobs["generate_rollouts"] == 1 and jobs["replay_exact"] == 1  # 12 problems fit one shard of 50
+    assert jobs["generate_rollouts"] == 1 and jobs["replay_exact"] == 1  # 16 problems fit one shard of 50
     assert not (tmp_path / "results").exists()
 
 

@@ -169,6 +169,20 @@ def figure_outputs(name):
     }
 
 
+def lost_shards(wildcards=None):
+    """The shard outputs that are missing while the table gathered from them exists (empty in a fresh or a
+    finished run, so the default target stays short)."""
+    lost = []
+    for c in CONFIGS:
+        gathered = [(f"results/rollouts/{c}/rollouts.parquet",
+                     [rollout_shard_file(c, s) for s in SHARDS] + [kv_dir(c, s) for s in SHARDS])]
+        gathered += [(pass_file(c, p), [pass_shard_file(c, p, s) for s in SHARDS]) for p in RUN_PASSES]
+        for table, shards in gathered:
+            if Path(table).exists():
+                lost += [f for f in shards if not Path(f).exists()]
+    return lost
+
+
 def manifest_inputs(wildcards=None):
     """Every output of the DAG, so the manifest covers exactly this configuration's results."""
     files = [problems_file()]
