@@ -388,7 +388,9 @@ def test_budgets_beyond_the_models_context_are_refused_by_name(committed):
 
 
 def test_report_captions_substitute_nothing_by_accident():
-    """Captions are templates: a lone brace (``{|A| >= theta}``) is read as a substitution and fails the report."""
+    """Captions are reStructuredText inside a Jinja template: ``|A|`` is an RST substitution reference (the
+    report logs "Undefined substitution referenced") and a lone brace is read by the template."""
     for caption in (REPO / "workflow" / "report").glob("*.rst"):
         text = re.sub(r"\{\{.*?\}\}", "", caption.read_text())
+        assert not re.search(r"\|[^|\s][^|]*\|", text), caption.name
         assert "{" not in text and "}" not in text, caption.name
