@@ -285,9 +285,23 @@ def hardware() -> dict[str, Any]:
         info["torch_threads"] = torch.get_num_threads()
         info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         info["cuda"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["cuda_runtime"] = torch.version.cuda
     except ImportError:  # provenance must still be written where torch is absent
         info["cuda"] = None
+    if info["cuda"]:
+        info["cuda_driver"] = nvidia_driver()
     return info
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver version (kernels and their numerics can change with it); None where it cannot be read."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    versions = sorted({line.strip() for line in out.splitlines() if line.strip()})
+    return ", ".join(versions) or None
 
 
 def install_mode() -> str:

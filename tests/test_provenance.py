@@ -269,6 +269,23 @@ def test_hardware_records_the_cpu_that_picks_the_kernels():
         assert info["cpu_model"] and set(info["cpu_features"]) <= set(provenance.KERNEL_FEATURES)
 
 
+def test_gpu_hardware_records_the_driver_and_cuda_runtime(monkeypatch, tmp_path):
+    """On a GPU the driver and the CUDA runtime pick the kernels as the CPU features do on a CPU."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 580.159.04\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    info = provenance.hardware()
+    assert info["cuda"] == ["NVIDIA H200"] and info["cuda_driver"] == "580.159.04"
+    assert info["cuda_runtime"] == torch.version.cuda
+    fake.unlink()
+    assert provenance.hardware()["cuda_driver"] is None
+
+
 def test_git_commit_outside_a_repository(tmp_path):
     assert provenance.git_commit(tmp_path) == {"commit": None, "dirty": None}
 
