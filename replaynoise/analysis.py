@@ -14,7 +14,6 @@ mean-zero test, margin split) are the defaults; ours are kept beside them under 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -322,7 +321,7 @@ def too_few_note(n: int, min_eligible: int, n_problems_with_pivots: int) -> str:
         return (f"{note}; none at all here: raise dataset.n_problems, rollouts.per_problem or pivots.per_rollout "
                 "(or replay.k, which makes a nonzero estimate likelier)")
     per_problem = n / n_problems_with_pivots
-    more = math.ceil((min_eligible - n) / per_problem)
+    more = -(-(min_eligible - n) * n_problems_with_pivots // n)  # ceil, in integers (a float ratio can round up)
     return (f"{note}; at {per_problem:.2f} eligible pivots per problem with pivots, about {more} more such "
             f"problems would reach it (dataset.n_problems, or rollouts.per_problem / pivots.per_rollout)")
 

@@ -113,6 +113,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` (the campaign files use it)
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise ConfigError(f"{self.name}:{key_node.start_mark.line + 1}: key {key!r} given twice in one "

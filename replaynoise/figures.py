@@ -326,17 +326,15 @@ def channel_shares(comparison: dict, channels: pl.DataFrame, other: str) -> list
             continue
         hit = channels.filter((pl.col("pass_a") == "exact") & (pl.col("pass_b") == other)
                               & (pl.col("channel") == key))
-        out.append(float(hit["share_identical"][0]) if hit.height else np.nan)
+        out.append(_nan(hit["share_identical"][0]) if hit.height else np.nan)  # null: the channel compared none
     return out
 
 
 def plot_channel_agreement(data: Mapping[str, tuple[dict, pl.DataFrame]] | None, out_png: PathLike,
-                           out_pdf: PathLike, conditioning: str = "main") -> None:
+                           out_pdf: PathLike) -> None:
     """Per configuration, how much of the exact pass each replay reproduces, channel by channel: the replica
-    (other batches, same noise) against re-feed. It needs no eligible pivots, so even a run too small for any
-    credit statistic shows where re-feeding departs from the decode-time state. ``conditioning`` is unused:
-    every pivot counts."""
-    del conditioning
+    (other batches, same noise) against re-feed. It needs no eligible pivots (every pivot counts), so even a run
+    too small for any credit statistic shows where re-feeding departs from the decode-time state."""
     title = "Agreement with the exact pass, by channel (share identical; all pivots)"
     data = {c: d for c, d in (data or {}).items() if d[1].height}
     if not data:

@@ -113,7 +113,7 @@ def context_length(spec: str) -> int | None:
     if kind == "packaged":
         return source.context
     config = read_json(source / "config.json")
-    config = config.get("text_config", config)  # multimodal configs keep the language model's apart
+    config = config.get("text_config") or config  # multimodal configs keep the language model's apart
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         if isinstance(config.get(key), int):
             return config[key]

@@ -288,8 +288,8 @@ def hardware() -> dict[str, Any]:
         info["cuda_runtime"] = torch.version.cuda
     except ImportError:  # provenance must still be written where torch is absent
         info["cuda"] = None
-    if info["cuda"]:
-        info["cuda_driver"] = nvidia_driver()
+    # read without torch (the manifest step's environment may lack it); on the host that writes the record
+    info["cuda_driver"] = nvidia_driver() if shutil.which("nvidia-smi") else None
     return info
 
 

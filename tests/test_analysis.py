@@ -12,7 +12,7 @@ from scipy import stats
 from replaynoise.analysis import (
     CONDITIONINGS, Clusters, assert_all_identical, channel_agreement, classify_changes, cluster_ols_mean,
     compare_passes, headline_rows, jaccard, lattice_thetas, lists_bitwise_equal, pool_credit, selection_at,
-    wide_frame,
+    too_few_note, wide_frame,
 )
 from replaynoise.credit import CREDIT_COLUMNS, compute_credit
 from replaynoise.stats import (
@@ -237,6 +237,12 @@ def test_informative_without_counts_is_unavailable_not_a_crash() -> None:
         assert block["available"] is False and "per-branch success counts" in block["reason"], cond
     assert res["conditionings"]["main"]["n"] == 7
     json.dumps(res)
+
+
+def test_too_few_note_counts_the_problems_needed_in_integers() -> None:
+    # 3 eligible pivots from 47 problems, 6 needed: 3 more pivots at 3/47 a problem is exactly 47 problems
+    assert "about 47 more such problems" in too_few_note(3, 6, 47)
+    assert "about 2 more such problems" in too_few_note(7, 10, 4)
 
 
 def test_too_few_eligible_pivots_nulls_every_number() -> None:

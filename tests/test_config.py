@@ -71,10 +71,13 @@ CAMPAIGNS = sorted((REPO / "config" / "campaigns").glob("*.yaml")) + sorted(
     (REPO / "config" / "campaigns" / "gpu").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("path", CAMPAIGNS, ids=lambda p: p.stem)
-def test_every_campaign_file_validates(path):
-    validated = validate_config(yaml.safe_load(path.read_text()))
-    assert validated["configs"]
+@pytest.mark.parametrize("path", CAMPAIGNS + sorted((REPO / "config" / "campaigns" / "paper-variants").glob("*.yaml"))
+                         + [DEFAULT_CONFIG_PATH], ids=lambda p: p.stem)
+def test_every_campaign_file_passes_the_duplicate_key_check_and_validates(path):
+    """The files use merge keys (``<<: *gpu``) with overrides: neither is a duplicate."""
+    check_config_file(path)
+    if path.parent.name != "paper-variants":  # overlays, merged over paper.yaml
+        assert validate_config(yaml.safe_load(path.read_text()))["configs"]
 
 
 @pytest.mark.parametrize("name", ["smollm2", "qwen"])

@@ -192,6 +192,8 @@ def test_channel_agreement_reads_each_channel_and_marks_what_was_not_measured() 
     refeed = figures.channel_shares(comparison, channels, "refeed")
     assert refeed[:2] == [0.0, 0.75] and refeed[4] == 0.5 and np.isnan(refeed[2]) and np.isnan(refeed[3])
     assert np.isnan(figures.channel_shares({"probe": {}}, channels, "replica")[0])  # probe_tokens 0: no probe
+    compared_none = _channels({("refeed", "token_ids"): None})  # a channel over no rows has a null share
+    assert np.isnan(figures.channel_shares(comparison, compared_none, "refeed")[1])
 
 
 def test_channel_agreement_figure_has_numbers_where_credit_statistics_have_none(tmp_path: Path, data) -> None:

@@ -282,7 +282,7 @@ def test_gpu_hardware_records_the_driver_and_cuda_runtime(monkeypatch, tmp_path)
     info = provenance.hardware()
     assert info["cuda"] == ["NVIDIA H200"] and info["cuda_driver"] == "580.159.04"
     assert info["cuda_runtime"] == torch.version.cuda
-    fake.unlink()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvidia-smi anywhere: not read, not guessed
     assert provenance.hardware()["cuda_driver"] is None
 
 

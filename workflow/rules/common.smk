@@ -180,6 +180,8 @@ def lost_shards(wildcards=None):
         for table, shards in gathered:
             if Path(table).exists():
                 lost += [f for f in shards if not Path(f).exists()]
+        if not Path(kv_index_file(c)).exists() and any(Path(pass_file(c, p)).exists() for p in RUN_PASSES):
+            lost.append(kv_index_file(c))
     return lost
 
 

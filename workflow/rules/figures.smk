@@ -59,7 +59,6 @@ rule figure_channel_agreement:
         code=code_version("figures", "analysis", "stats", "credit", "provenance"),
         figure="channel_agreement",
         configs=CONFIGS,
-        conditioning=config["figures"]["conditioning"],
     log:
         f"{LOGS}/figure_channel_agreement.log",
     conda:
