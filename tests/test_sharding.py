@@ -9,8 +9,9 @@ import pytest
 from conftest import TINY, clone_run, planned_rules, snakemake
 from replaynoise.shards import batch_range, problem_range, shard_count, shard_index, shard_names
 
-#: Manifest paths that name a shard: the layout of the scattered intermediates, which a shard size must change.
-SHARD_FILE = re.compile(r"^(rollouts/[^/]+/shards/|passes/[^/]+/[^/]+/)\d{3,}\.parquet$")
+#: Manifest paths that name a shard: the layout of the scattered intermediates, which a shard size must change
+#: (kv.json is the index of the rollout shards' KV folders, so it lists that layout too).
+SHARD_FILE = re.compile(r"^((rollouts/[^/]+/shards/|passes/[^/]+/[^/]+/)\d{3,}\.parquet|rollouts/[^/]+/kv\.json)$")
 KV_FILE = re.compile(r"^(rollouts/[^/]+/kv)/\d{3,}/(.+)$")
 
 
