@@ -227,7 +227,7 @@ PROTOCOL_CHANGES = {
     "pivots.max_margin": 0.1,
     "pivots.choose": "lowest_margin",
     "replay.k": 8,
-    "replay.passes": ["exact", "replica", "refeed"],
+    "replay.passes": ["exact", "replica", "refeed", "selector"],
     "analysis.theta": 0.25,
 }
 
@@ -326,13 +326,13 @@ def test_snakemake_dry_run_lists_the_whole_pipeline(tmp_path):
     assert proc.returncode == 0, output
     jobs = job_counts(output)
     expected = {"sample_problems", "prepare_model", "generate_rollouts", "select_pivots", "replay_exact",
-                "replay_replica", "replay_refeed", "replay_selector", "compute_credit", "compare_passes",
+                "replay_replica", "replay_refeed", "compute_credit", "compare_passes",
                 "compare_pooled", "headline_tables", "manifest", "all", "gather_rollouts", "gather_pass",
                 "cost_report", "index_kv"}
     figures = {f"figure_{name}" for name in ("disagreement", "kinds_of_change", "jaccard_sweep", "diff_histogram",
                                              "disagreement_vs_margin", "channel_agreement")}
     assert set(jobs) == expected | figures, output
-    assert jobs["compute_credit"] == jobs["gather_pass"] == 4  # one configuration x four passes
+    assert jobs["compute_credit"] == jobs["gather_pass"] == 3  # one configuration x three passes
     assert jobs["generate_rollouts"] == 1 and jobs["replay_exact"] == 1  # 16 problems fit one shard of 50
     assert not (tmp_path / "results").exists()
 
@@ -340,15 +340,14 @@ def test_snakemake_dry_run_lists_the_whole_pipeline(tmp_path):
 def test_snakemake_dry_run_follows_the_configured_passes(tmp_path):
     workdir = tmp_path / "work"
     workdir.mkdir()
-    three = tmp_path / "three.yaml"
-    three.write_text(yaml.safe_dump({"replay": {"passes": ["exact", "replica", "refeed"]}}))
-    proc = dry_run(workdir, three)
+    four = tmp_path / "four.yaml"
+    four.write_text(yaml.safe_dump({"replay": {"passes": ["exact", "replica", "refeed", "selector"]}}))
+    proc = dry_run(workdir, four)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     jobs = job_counts(output)
-    assert {"replay_exact", "replay_replica", "replay_refeed"} <= set(jobs)
-    assert "replay_selector" not in jobs
-    assert jobs["compute_credit"] == 3
+    assert {"replay_exact", "replay_replica", "replay_refeed", "replay_selector"} <= set(jobs)
+    assert jobs["compute_credit"] == 4
 
 
 # --- issue 18: values the schema lets through ----------------------------------------------------------------
