@@ -243,14 +243,22 @@ def render_table1(df: pl.DataFrame, conditioning: str = "main") -> str:
     metrics = sorted(set(rows["metric"].to_list()))
     cells = [[h for h, _ in TABLE1_COLUMNS]]
     cells += [[fn(r).replace(NA, "—") for _, fn in TABLE1_COLUMNS] for r in rows.iter_rows(named=True)]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(TABLE1_COLUMNS))]
     lines = [f"Table 1 (conditioning {conditioning}, metric {', '.join(metrics)}; rates in %, "
              "polarity-reversal share of n in parentheses)"]
+    return "\n".join(lines + _aligned(cells)) + "\n"
+
+
+def _aligned(cells: list[list[str]], indent: str = "") -> list[str]:
+    """Rows of text cells as aligned lines: the first column left-aligned, the rest right, a rule under the
+    header row."""
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    lines = []
     for j, row in enumerate(cells):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        lines.append(indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                        for i, (c, w) in enumerate(zip(row, widths))))
         if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n"
+            lines.append(indent + "  ".join("-" * w for w in widths))
+    return lines
 
 
 #: The end-of-run summary's columns: a short table a terminal can hold.
@@ -283,13 +291,7 @@ def run_summary(headline_csv: str | os.PathLike, conditioning: str = "main") -> 
                       _summary_value(r, "t_per_problem", 1.0, "{:.2f}")])
         if r.get("note") not in (None, "", NA):
             notes.append(f"  {r['config']}: {r['note']}")
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     metrics = ", ".join(sorted({r["metric"] for r in rows})) or "sign"
     lines = [f"Re-feed against the replica floor ({conditioning} conditioning, {metrics} metric; "
              f"{headline_csv}):"]
-    for j, row in enumerate(cells):
-        lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                      for i, (c, w) in enumerate(zip(row, widths))))
-        if j == 0:
-            lines.append("  " + "  ".join("-" * w for w in widths))
-    return "\n".join(lines + notes) + "\n"
+    return "\n".join(lines + _aligned(cells, indent="  ") + notes) + "\n"
