@@ -26,5 +26,7 @@ for cfg in "$@"; do
         cp "$WORK/h200-pipeline.json" "$WORK/reference/"
         tar -C "$WORK" -czf "$out/$name.tgz" reference
         ls -la "$out/$name.tgz"
+    elif [ -d "$WORK/results/logs" ]; then  # unfinished or failed: bring back the logs to see why
+        tar -C "$WORK" -czf "$out/$name.logs.tgz" results/logs
     fi
 done

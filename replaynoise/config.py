@@ -75,8 +75,23 @@ def validate_config(config: dict) -> dict:
         lines = [f"config key {_key_path(e)}: {_describe(e)}" for e in _leaf_errors(errors)]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines))
     _check_integers(schema, config, "")
+    _fill_invariant_shape(config)
     _check_semantics(config)
     return _sorted_keys(config)
+
+
+#: rows of the invariant decoder shape, and the prompt tokens its default length leaves room for
+INVARIANT_ROWS, INVARIANT_PROMPT = 64, 512
+
+
+def _fill_invariant_shape(config: dict) -> None:
+    """An HF invariant configuration's one decoder shape, filled in where not given, so that the rollouts and
+    every pass (which all receive the configuration's settings) build the same one."""
+    for settings in config["configs"].values():
+        if settings["engine"] == "hf" and settings["kernels"] == "invariant":
+            settings.setdefault("invariant_rows", INVARIANT_ROWS)
+            budget = settings["max_new_tokens"] + config["replay"]["max_new_tokens"] + INVARIANT_PROMPT
+            settings.setdefault("invariant_context", -(-budget // 256) * 256)
 
 
 def _check_integers(schema: dict, value: Any, path: str) -> None:

@@ -14,31 +14,19 @@ from dataclasses import replace
 import polars as pl
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from replaynoise import replay, rollouts
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
 from replaynoise.engines.hf import HFEngine, load_kv_file
 from replaynoise.provenance import keyed_scratch
+from tinymodel import Tokenizer, tiny_llama
 
-VOCAB, EOS = 300, 299
 SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=14)
-
-
-class Tokenizer:
-    all_special_ids = [EOS]
-    eos_token_id = EOS
-
-    def decode(self, ids, **_):
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=EOS, attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg).to(torch.float64).eval()
+    return tiny_llama(torch.float64)
 
 
 def requests() -> list[RolloutRequest]:

@@ -32,9 +32,9 @@ def model():
     return LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
 
 
-def engine(model, kernels):
+def engine(model, kernels, decode="auto", **shape):
     tokenizer = SimpleNamespace(eos_token_id=VOCAB - 1)  # the engine reads only the end-of-sequence id
-    return HFEngine(model, tokenizer, kernels=kernels)
+    return HFEngine(model, tokenizer, kernels=kernels, decode=decode, **shape)
 
 
 def rollout_and_requests(eng, tmp_path, k=3):
@@ -63,17 +63,26 @@ def test_exact_resume_is_bitwise_on_gpu_and_refeed_is_not(model, tmp_path):
     assert any(x.next_digest != y.next_digest for x, y in zip(a, b))
 
 
-def test_invariant_mode_is_bitwise_identical_across_passes_on_gpu(model, tmp_path):
-    eng = engine(model, "invariant")
+@pytest.mark.parametrize("decode", ["auto", "dynamic"])  # auto: the batched invariant decoder (CUDA graphs)
+def test_invariant_mode_is_bitwise_identical_across_passes_on_gpu(model, tmp_path, decode):
+    eng = engine(model, "invariant", decode, invariant_rows=8, invariant_context=256)
+    assert eng.aligned == (decode == "auto")
     _, requests = rollout_and_requests(eng, tmp_path, k=2)
     exact = eng.run_batch(requests, "decode_kv", SAMPLING)
-    replica = eng.run_batch(list(reversed(requests)), "decode_kv", SAMPLING)[::-1]
+    # the replica in other batches: other batch-mates, row slots and batch sizes
+    flipped = list(reversed(requests))
+    replica = [r for start in range(0, len(flipped), 5) for r in
+               eng.run_batch(flipped[start:start + 5], "decode_kv", SAMPLING)][::-1]
     refeed = eng.run_batch(requests, "refeed_ids", SAMPLING)
     for x, y, z in zip(exact, replica, refeed):
         assert x.verified
         assert x.token_ids == y.token_ids == z.token_ids
         assert x.next_digest == y.next_digest == z.next_digest
+        assert x.next_topk_logprobs == y.next_topk_logprobs == z.next_topk_logprobs
     assert all(max(r.kv_maxdiff) == 0.0 for r in refeed)
+    if decode == "auto":  # the rollout ran in the decoder's shape: the re-step probe reproduces it
+        probed = [r.restep_match for r in exact if r.restep_match is not None]
+        assert probed and all(probed)
 
 
 def test_static_decode_replays_its_graph_bitwise_and_matches_the_eager_step(model, tmp_path):

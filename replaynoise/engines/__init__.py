@@ -24,7 +24,8 @@ def make_engine(settings: dict, model_dir: Path, *, topk: int, threads: int) -> 
 
         model, tokenizer = load_model(model_dir, settings["dtype"], settings["device"])
         return HFEngine(model, tokenizer, kernels=settings["kernels"], topk=topk,
-                        decode=settings.get("decode", "auto"), cpu_matmul=settings.get("cpu_matmul", "fp32"))
+                        decode=settings.get("decode", "auto"), cpu_matmul=settings.get("cpu_matmul", "fp32"),
+                        **{key: settings[key] for key in ("invariant_rows", "invariant_context") if key in settings})
     if settings["engine"] == "vllm":
         from replaynoise.engines.vllm import VLLMEngine, build_llm, check_invariant_platform
         from replaynoise.models import eos_ids, load_tokenizer, model_weights_dir

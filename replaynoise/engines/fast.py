@@ -216,17 +216,29 @@ class StaticDecoder:
     # one step: reads ids/positions/write/seeds/step_no, writes the KV at ``write``, returns (logits, tokens)
     @torch.inference_mode()
     def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model.lm_head(self.inner.norm(self._layers()))[:, 0, :]
+        temperature, top_p = self.sampling
+        tokens = self.sample(logits, self.seeds, self.step_no, temperature, top_p)
+        # advance inside the step (inside the graph): the next step's inputs, with no launches from Python
+        self.ids.copy_(tokens)
+        self.positions.add_(1)
+        self.write.add_(1)
+        self.step_no.add_(1)
+        return logits, tokens
+
+    def _layers(self) -> torch.Tensor:
+        """Embedding and decoder layers for one new token per row (its KV written at ``write``): hidden states."""
         rows, group = self.rows, self.n_heads // self.n_kv
         h = self.inner.embed_tokens(self.ids[:, None])
         cos, sin = self.inner.rotary_emb(h, self.positions[:, None])
         cos, sin = cos[:, None], sin[:, None]  # [rows, 1, 1, head_dim]
-        self.mask.index_fill_(3, self.write, True)
+        self._mark()
         heads, kv_heads, dim = self.n_heads, self.n_kv, self.head_dim
         scaling = self.inner.layers[0].self_attn.scaling
         for (w_in, w_out, (eps, fp32)), keys, values in zip(self.weights, self.keys, self.values):
             q, k, v = self.layer_in(h, cos, sin, *w_in, eps, fp32, rows, heads, kv_heads, dim)
-            keys.index_copy_(2, self.write, k)
-            values.index_copy_(2, self.write, v)
+            self._store(keys, k)
+            self._store(values, v)
             if self.attention == "gemm":
                 o = self.attend(q, keys, values, self.mask, scaling, rows, kv_heads, group, dim)
             else:  # "sdpa": PyTorch picks the backend; "efficient": its memory-efficient kernel
@@ -236,15 +248,14 @@ class StaticDecoder:
                     o = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, group, dim), keys, values,
                                                        attn_mask=self.mask, scale=scaling)
             h = self.layer_out(h, o, *w_out, eps, fp32, rows, heads * dim)
-        logits = self.model.lm_head(self.inner.norm(h))[:, 0, :]
-        temperature, top_p = self.sampling
-        tokens = self.sample(logits, self.seeds, self.step_no, temperature, top_p)
-        # advance inside the step (inside the graph): the next step's inputs, with no launches from Python
-        self.ids.copy_(tokens)
-        self.positions.add_(1)
-        self.write.add_(1)
-        self.step_no.add_(1)
-        return logits, tokens
+        return h
+
+    def _mark(self) -> None:
+        """Unmask the slot the step writes (one write position for all rows: left-padded prefixes)."""
+        self.mask.index_fill_(3, self.write, True)
+
+    def _store(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
+        buffer.index_copy_(2, self.write, new)
 
     def load(self, layers: list[list[tuple[torch.Tensor, torch.Tensor]]], lengths: list[int], row_state: list[int],
              seeds: list[int], tokens: list[int], sampling: tuple[float, float]) -> int:
@@ -276,10 +287,10 @@ class StaticDecoder:
             self.sampling, self.graph = sampling, None
         return prefix
 
-    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step, which also advances the inputs to the next one; the first call of a shape runs
-        eagerly, the second captures the graph."""
-        if not self.graphs:
+        eagerly, the second captures the graph. ``eager``: run it without the graph (the same kernels)."""
+        if eager or not self.graphs:
             return self._step()
         if self.graph is None:
             if self.out is None:  # first use: warm up (cuBLAS handles, workspaces) on a real step
@@ -290,3 +301,98 @@ class StaticDecoder:
                 self.out = self._step()
         self.graph.replay()
         return self.out
+
+
+class AlignedDecoder(StaticDecoder):
+    """Batch-invariant decode (``kernels: invariant`` with static decode): every forward, prompts and prefixes
+    included, computes one token per row in one fixed shape [rows, length], and a row's position p always lives
+    in cache slot p (no left padding; each row writes at its own position).
+
+    A row's numbers are then a function of its own tokens alone: the GEMMs see the same shapes whatever the
+    batch-mates (rows are independent in a GEMM of fixed shape), attention reduces over the same slots in the
+    same order wherever the row sits, and prefill is the decode step itself, so a re-fed prefix reproduces the
+    decode-time KV bit for bit. The engine must use one decoder shape for a configuration's rollouts and all
+    its passes (``invariant_rows``, ``invariant_context``)."""
+
+    def __init__(self, model, rows: int, length: int, *, graphs: bool, attention: str = "gemm") -> None:
+        super().__init__(model, rows, length, graphs=graphs, attention=attention)
+        self.write = torch.zeros(rows, device=self.device, dtype=torch.int64)
+        self.forced = torch.zeros(rows, length, device=self.device, dtype=torch.int64)
+        self.hold = torch.zeros(rows, device=self.device, dtype=torch.int64)
+        self.prefill_graph: torch.cuda.CUDAGraph | None = None
+        self.prefill_warm = False
+
+    def _mark(self) -> None:
+        self.mask.scatter_(3, self.write.view(-1, 1, 1, 1), True)
+
+    def _store(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
+        index = self.write.view(-1, 1, 1, 1).expand(-1, buffer.shape[1], 1, buffer.shape[3])
+        buffer.scatter_(2, index, new)
+
+    @torch.inference_mode()
+    def _prefill_step(self) -> None:
+        """Feed each row's next forced token (no head, no sampling); a row at its last forced position stays
+        there, recomputing that position into the same slot (bit-identical: same inputs, same shapes)."""
+        self._layers()
+        self.positions.copy_(torch.minimum(self.positions + 1, self.hold))
+        self.write.copy_(self.positions)
+        self.ids.copy_(self.forced.gather(1, self.positions[:, None])[:, 0])
+
+    def check_fits(self, needed: int) -> None:
+        if needed > self.length:
+            raise ValueError(f"{needed} positions do not fit the invariant decode's {self.length}-slot cache; "
+                             "raise the configuration's invariant_context")
+
+    def prefill(self, seqs: list[list[int]]) -> None:
+        """Compute the KV of ``seqs`` (one per row, at most ``rows``) into slots [0, len) by decode steps."""
+        self.check_fits(max(map(len, seqs)))
+        self.kv.zero_()
+        self.mask.zero_()
+        self.forced.zero_()
+        for row, seq in enumerate(seqs):
+            self.forced[row, :len(seq)] = torch.tensor(seq, dtype=torch.int64)
+        ends = [len(seq) - 1 for seq in seqs] + [0] * (self.rows - len(seqs))
+        self.hold.copy_(torch.tensor(ends, device=self.device))
+        self.positions.zero_()
+        self.write.zero_()
+        self.ids.copy_(self.forced[:, 0])
+        for _ in range(max(map(len, seqs))):
+            self._replay_prefill()
+
+    def _replay_prefill(self) -> None:
+        if not self.graphs:
+            return self._prefill_step()
+        if self.prefill_graph is None:
+            if not self.prefill_warm:
+                self.prefill_warm = True
+                return self._prefill_step()
+            self.prefill_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.prefill_graph):
+                self._prefill_step()
+        self.prefill_graph.replay()
+
+    def start(self, lengths: list[int], ids: list[int], seeds: list[int], sampling: tuple[float, float],
+              states: list[torch.Tensor | None] | None = None) -> None:
+        """Begin decoding row r at position ``lengths[r]`` with token ``ids[r]``, over the KV of slots
+        [0, lengths[r]): ``states[r]`` (stacked [layers, 2, 1, kv_heads, n >= length, head_dim]) copied in, or,
+        where ``states`` is None, what ``prefill`` left there."""
+        rows = len(lengths)
+        self.check_fits(max(lengths) + 1)
+        if states is not None:
+            self.kv.zero_()
+            for row, (state, n) in enumerate(zip(states, lengths)):
+                self.kv[:, :, row, :, :n].copy_(state[:, :, 0, :, :n])
+        pad = self.rows - rows
+        lengths, ids, seeds = lengths + [lengths[0]] * pad, ids + [ids[0]] * pad, seeds + [seeds[0]] * pad
+        if states is not None and pad:
+            self.kv[:, :, rows:].copy_(self.kv[:, :, :1].expand(-1, -1, pad, -1, -1, -1))
+        at = torch.tensor(lengths, device=self.device)
+        slots = torch.arange(self.length, device=self.device)
+        self.mask.copy_((slots[None, :] < at[:, None])[:, None, None, :])
+        self.positions.copy_(at)
+        self.write.copy_(at)
+        self.ids.copy_(torch.tensor(ids, device=self.device))
+        self.seeds.copy_(torch.tensor(seeds, device=self.device))
+        self.step_no.zero_()
+        if self.sampling != sampling:
+            self.sampling, self.graph = sampling, None

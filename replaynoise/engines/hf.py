@@ -3,8 +3,10 @@
 Two kernel modes:
 - ``stock``: the prompt is prefilled in one forward, continuation rows from many pivots share padded batches
   and finished rows leave the batch, as in a serving engine. Batch composition then moves the numbers.
-- ``invariant``: every forward computes one token of one row, prompt included, so no result can depend on
-  batching or on prefill versus decode: all passes must agree bitwise.
+- ``invariant``: no result may depend on batching or on prefill versus decode, so all passes must agree
+  bitwise. With static decode (``decode: auto`` on CUDA, Llama/Qwen2 families) every forward computes one token
+  per row in one fixed [rows, slots] shape with position p in slot p (``AlignedDecoder``: batched, at close to
+  stock speed); otherwise every forward computes one token of one row, prompt included.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from replaynoise.engines.base import (
     PREFIX_SOURCES, ContinuationRequest, ContinuationResult, KeepLen, Rollout, RolloutRequest, SamplingSettings,
     VerificationError,
 )
-from replaynoise.engines.fast import StaticDecoder, static_decode_supported, use_fp32_matmul
+from replaynoise.engines.fast import AlignedDecoder, StaticDecoder, static_decode_supported, use_fp32_matmul
 from replaynoise.engines.sampling import (
     RowSampler, digest_rows, digest_strings, logits_digest, sample_rows, topk_logprobs, topk_rows,
 )
@@ -81,7 +83,8 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model, tokenizer, *, kernels: str = "stock", topk: int = 5, decode: str = "auto",
-                 cpu_matmul: str = "fp32", cache_gib: float | None = None) -> None:
+                 cpu_matmul: str = "fp32", cache_gib: float | None = None, invariant_rows: int = 64,
+                 invariant_context: int = 1024) -> None:
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
         if decode not in DECODE_MODES:
@@ -99,6 +102,10 @@ class HFEngine:
         if decode == "static" and not static_decode_supported(model):
             raise ValueError(f"decode: static does not support model type {model.config.model_type!r}")
         self.static = decode == "static" and not self.invariant
+        # invariant with static decode: one decoder shape for the configuration's rollouts and every pass
+        self.aligned = decode == "static" and self.invariant
+        self.invariant_shape = (invariant_rows, invariant_context)
+        self._aligned_decoder: AlignedDecoder | None = None
         self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
         self._graphs = True  # CUDA graphs for the static decode (tests turn them off to compare)
         self.attention = os.environ.get("REPLAYNOISE_STATIC_ATTENTION", "sdpa")  # sdpa | efficient | gemm
@@ -162,7 +169,10 @@ class HFEngine:
                           keep_len: KeepLen) -> list[Rollout]:
         """All requests as one batch (stock: left-padded prefill, then one decode step for every row at once; each
         row's own, unpadded decode-time KV is kept); invariant: one token of one row per forward, as before."""
-        if self.static:
+        if self.aligned:
+            rows = [row for start in range(0, len(requests), self.invariant_shape[0])
+                    for row in self._generate_aligned(requests[start:start + self.invariant_shape[0]], sampling)]
+        elif self.static:
             rows = self._generate_static(requests, sampling)  # times its own phases
         else:
             with self.phases("generate"):
@@ -259,18 +269,15 @@ class HFEngine:
                          ) -> list[tuple[Rollout, KVLayers]]:
         """Batched rollouts in a static cache: the batch's prompts prefilled together, then one captured graph
         replay per step for all rows; top-k, digests and tokens stay on the device until the batch ends."""
-        n, steps, k = len(requests), sampling.max_new_tokens, self.topk
+        n, steps = len(requests), sampling.max_new_tokens
         prompts = [list(r.prompt_ids) for r in requests]
-        dev = dict(device=self.device)
         with self.phases("prefill"):
             cache, logits, mask = self._prefill_batch(prompts)
             longest = mask.shape[1]
-            top_ids = torch.zeros(n, steps, k, dtype=torch.int64, **dev)
-            top_lps = torch.zeros(n, steps, k, dtype=torch.float32, **dev)
-            digests = torch.zeros(n, steps, 2, dtype=torch.int64, **dev)
-            sampled = torch.zeros(n, steps, dtype=torch.int64, **dev)
-            seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, **dev)
-            top_ids[:, 0], top_lps[:, 0] = topk_rows(logits, k)
+            records = self._step_records(n, steps)
+            seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=self.device)
+            top_ids, top_lps, digests, sampled = records
+            top_ids[:, 0], top_lps[:, 0] = topk_rows(logits, self.topk)
             digests[:, 0] = digest_rows(logits)
             sampled[:, 0] = sample_rows(logits, seeds, torch.zeros_like(seeds), sampling.temperature,
                                         sampling.top_p)
@@ -282,28 +289,69 @@ class HFEngine:
                          sampled[:, 0].tolist(), (sampling.temperature, sampling.top_p))
             del cache, layers, stacked
             decoder.step_no.fill_(1)  # token 0 came from the prefill: the decode samples steps 1, 2, ...
-        eos = torch.tensor(sorted(self.eos_ids), **dev)
+        last, host = self._record_steps(decoder, records, range(1, steps), n, before=0)
+        with self.phases("results to host"):
+            # the whole batch's KV to the host in one copy (not one per row and layer); rows are views of it
+            kv = decoder.kv[:, :, :n, :, :longest + last].cpu()
+        rollouts = [self._rollout_of(req, *rec) for req, *rec in zip(requests, *host)]
+        return [(r, _row_layers(kv, row, longest - len(r.prompt_ids), longest + len(r.response_ids) - 1))
+                for row, r in enumerate(rollouts)]
+
+    def _aligned(self) -> AlignedDecoder:
+        """The configuration's one invariant decoder (built once: its shape is fixed by the configuration)."""
+        if self._aligned_decoder is None:
+            rows, length = self.invariant_shape
+            self._aligned_decoder = AlignedDecoder(self.model, rows, length, graphs=self._graphs,
+                                                   attention=self.attention)
+        return self._aligned_decoder
+
+    @torch.inference_mode()
+    def _generate_aligned(self, requests: list[RolloutRequest], sampling: SamplingSettings
+                          ) -> list[tuple[Rollout, KVLayers]]:
+        """Invariant rollouts of at most ``invariant_rows`` requests: the prompts fed by decode steps, then one
+        step per token; a row's KV is slots [0, n) of the decoder, its own positions."""
+        n, steps = len(requests), sampling.max_new_tokens
+        prompts = [list(r.prompt_ids) for r in requests]
+        decoder = self._aligned()
+        decoder.check_fits(max(map(len, prompts)) - 1 + steps)
+        with self.phases("prefill"):
+            decoder.prefill(prompts)
+            decoder.start([len(p) - 1 for p in prompts], [p[-1] for p in prompts], [r.seed for r in requests],
+                          (sampling.temperature, sampling.top_p))
+        last, host = self._record_steps(decoder, self._step_records(decoder.rows, steps), range(steps), n)
+        with self.phases("results to host"):
+            # a copy also on a CPU (.cpu() would alias the decoder, which the next chunk overwrites)
+            kv = decoder.kv[:, :, :n, :, :max(map(len, prompts)) + last].to("cpu", copy=True)
+        rollouts = [self._rollout_of(req, *rec) for req, *rec in zip(requests, *host)]
+        return [(r, _row_layers(kv, row, 0, len(r.prompt_ids) + len(r.response_ids) - 1))
+                for row, r in enumerate(rollouts)]
+
+    def _step_records(self, rows: int, steps: int) -> tuple[torch.Tensor, ...]:
+        """Device buffers of a rollout batch's per-step records: top-k ids, top-k log-probs, digests, tokens."""
+        dev = dict(device=self.device)
+        return (torch.zeros(rows, steps, self.topk, dtype=torch.int64, **dev),
+                torch.zeros(rows, steps, self.topk, dtype=torch.float32, **dev),
+                torch.zeros(rows, steps, 2, dtype=torch.int64, **dev),
+                torch.zeros(rows, steps, dtype=torch.int64, **dev))
+
+    def _record_steps(self, decoder: StaticDecoder, records: tuple[torch.Tensor, ...], steps: range, n: int,
+                      before: int = -1) -> tuple[int, list]:
+        """Decode rollout ``steps`` until the first ``n`` rows have all ended, recording every step on the
+        device; returns the last step run and those rows' records on the host (tokens, top-k ids, top-k
+        log-probs, digests: the argument order of ``_rollout_of``)."""
+        top_ids, top_lps, digests, sampled = records
+        eos = torch.tensor(sorted(self.eos_ids), device=self.device)
 
         def record(step: int) -> bool:
             logits, tokens = decoder.step()
-            top_ids[:, step], top_lps[:, step] = topk_rows(logits, k)
+            top_ids[:, step], top_lps[:, step] = topk_rows(logits, self.topk)
             digests[:, step] = digest_rows(logits)
             sampled[:, step] = tokens
-            return step % 16 == 15 and bool(torch.isin(sampled[:, :step + 1], eos).any(dim=1).all())
+            return step % 16 == 15 and bool(torch.isin(sampled[:n, :step + 1], eos).any(dim=1).all())
 
-        last = self._run_steps(decoder, range(1, steps), record, before=0)
+        last = self._run_steps(decoder, steps, record, before=before)
         with self.phases("results to host"):
-            host = [t[:, :last + 1].tolist() for t in (sampled, top_ids, top_lps, digests)]
-            # the whole batch's KV to the host in one copy (not one per row and layer); rows are views of it
-            kv = decoder.kv[:, :, :n, :, :longest + last].cpu()
-        out = []
-        for row, (req, *records) in enumerate(zip(requests, *host)):
-            rollout = self._rollout_of(req, *records)
-            start = longest - len(rollout.prompt_ids)
-            stop = longest + len(rollout.response_ids) - 1
-            out.append((rollout, [(layer[0, row:row + 1, :, start:stop], layer[1, row:row + 1, :, start:stop])
-                                  for layer in kv]))
-        return out
+            return last, [t[:n, :last + 1].tolist() for t in (sampled, top_ids, top_lps, digests)]
 
     # ----------------------------------------------------------------------------------------- prefix states
     def prefix_state(self, req: ContinuationRequest, source: str) -> PrefixState:
@@ -333,7 +381,8 @@ class HFEngine:
             chosen = [i for i, req in enumerate(todo) if req.pivot_id in wanted]
             if chosen:
                 with self.phases("re-step"):
-                    self._restep([todo[i] for i in chosen], [built[i] for i in chosen])
+                    (self._restep_aligned if self.aligned else self._restep)([todo[i] for i in chosen],
+                                                                             [built[i] for i in chosen])
         by_pivot = {req.pivot_id: state for req, state in zip(todo, built)}
         return [by_pivot[req.pivot_id] for req in requests]
 
@@ -428,10 +477,34 @@ class HFEngine:
             for slot, i in enumerate(group):
                 states[i].restep_match = same_kv[slot] and digests[slot] == requests[i].expected_digest
 
+    def _restep_aligned(self, requests: list[ContinuationRequest], states: list[PrefixState]) -> None:
+        """The re-step channel in the invariant decoder: each pivot's last prefix token re-run over the rest of
+        its stored KV, as one eager step of the decoder (the same kernels its graph replays)."""
+        decoder, rows = self._aligned(), self.invariant_shape[0]
+        sampling = decoder.sampling or (1.0, 1.0)  # kept, so the captured continuation graph stays valid
+        for start in range(0, len(states), rows):
+            group, reqs = states[start:start + rows], requests[start:start + rows]
+            kvs = [s.kv if s.kv is not None else stack_layers(s.per_layer()) for s in group]
+            decoder.start([s.length - 1 for s in group], [r.prefix_ids[-1] for r in reqs], [0] * len(group),
+                          sampling, states=kvs)
+            logits, _ = decoder.step(eager=True)
+            digests = digest_strings(digest_rows(logits[:len(group)]))
+            for slot, (req, state, kv) in enumerate(zip(reqs, group, kvs)):
+                at = state.length - 1
+                same_kv = bool(torch.equal(decoder.kv[:, :, slot, :, at], kv[:, :, 0, :, at]))
+                state.restep_match = same_kv and digests[slot] == req.expected_digest
+
     def _refeed_states(self, requests: list[ContinuationRequest], seqs: list[list[int]]) -> list[PrefixState]:
         """Recompute the prefixes as fresh prompts, prefilled together (invariant: one token at a time, one row
         at a time); where the decode KV is stored, record how far each moved from it (max |dKV| per layer)."""
-        if self.invariant:
+        if self.aligned:  # prefilled by the invariant decoder's own steps, at most invariant_rows at a time
+            decoder, rows, stacks = self._aligned(), self.invariant_shape[0], []
+            for start in range(0, len(seqs), rows):
+                chunk = seqs[start:start + rows]
+                decoder.prefill(chunk)
+                whole = decoder.kv[:, :, :len(chunk), :, :max(map(len, chunk))].clone()
+                stacks.extend(whole[:, :, r:r + 1, :, :len(seq)] for r, seq in enumerate(chunk))
+        elif self.invariant:
             stacks = [stack_layers(cache_layers(self._prefill(seq)[0])) for seq in seqs]
         else:
             cache, _, mask = self._prefill_batch(seqs)
@@ -458,6 +531,10 @@ class HFEngine:
     def run_batch(self, requests: list[ContinuationRequest], source: str,
                   sampling: SamplingSettings) -> list[ContinuationResult]:
         states = self.prefix_states(requests, source)
+        if self.aligned:
+            rows = self.invariant_shape[0]
+            return [result for start in range(0, len(requests), rows) for result in
+                    self._continue_aligned(requests[start:start + rows], states[start:start + rows], sampling)]
         if self.static:
             return self._continue_static(requests, states, sampling)  # times its own phases
         with self.phases("decode"):
@@ -549,8 +626,7 @@ class HFEngine:
 
     def _continue_static(self, requests: list[ContinuationRequest], states: list[PrefixState],
                          sampling: SamplingSettings) -> list[ContinuationResult]:
-        """Decode all rows together in a static cache (one graph replay per step); a row's tokens after its
-        end-of-sequence token are dropped. Checks for all-finished only every few steps (each check syncs)."""
+        """Decode all rows together in a static cache (one graph replay per step)."""
         n, steps = len(requests), sampling.max_new_tokens
         length = _bucket(max(s.length for s in states) + steps + 1)  # bucketed: the batches of a pass share a graph
         rows = _row_bucket(n)
@@ -570,7 +646,26 @@ class HFEngine:
                          [unique[id(s)] for s in states],
                          [r.seed for r in requests], [r.branch_token for r in requests],
                          (sampling.temperature, sampling.top_p))
-        out = torch.empty(rows, steps, dtype=torch.int64, device=self.device)
+        return self._decode_rows(decoder, requests[:n], states[:n], steps)
+
+    def _continue_aligned(self, requests: list[ContinuationRequest], states: list[PrefixState],
+                          sampling: SamplingSettings) -> list[ContinuationResult]:
+        """Decode at most ``invariant_rows`` rows in the invariant decoder, each from its own prefix state."""
+        n, steps = len(requests), sampling.max_new_tokens
+        decoder = self._aligned()
+        decoder.check_fits(max(s.length for s in states) + steps)
+        with self.phases("load states"):
+            decoder.start([s.length for s in states], [r.branch_token for r in requests], [r.seed for r in requests],
+                          (sampling.temperature, sampling.top_p),
+                          states=[s.kv if s.kv is not None else stack_layers(s.per_layer()) for s in states])
+        return self._decode_rows(decoder, requests, states, steps)
+
+    def _decode_rows(self, decoder: StaticDecoder, requests: list[ContinuationRequest], states: list[PrefixState],
+                     steps: int) -> list[ContinuationResult]:
+        """Run a loaded decoder for the first ``len(requests)`` rows; a row's tokens after its end-of-sequence
+        token are dropped. Checks for all-finished only every few steps (each check syncs)."""
+        n = len(requests)
+        out = torch.empty(decoder.rows, steps, dtype=torch.int64, device=self.device)
         eos = torch.tensor(sorted(self.eos_ids), device=self.device)
         first = []
 
@@ -579,7 +674,8 @@ class HFEngine:
             if step == 0:
                 first.extend((*topk_rows(logits, self.topk), digest_rows(logits)))
             out[:, step] = tokens
-            return step + 1 < steps and step % 16 == 15 and bool(torch.isin(out[:, :step + 1], eos).any(dim=1).all())
+            return (step + 1 < steps and step % 16 == 15
+                    and bool(torch.isin(out[:n, :step + 1], eos).any(dim=1).all()))
 
         step = self._run_steps(decoder, range(steps), record)
         with self.phases("results to host"):
@@ -591,6 +687,12 @@ class HFEngine:
             tokens_i, finish = (row[:end + 1], "eos") if end is not None else (row, "length")
             results.append(self._result(req, tokens_i, finish, s, tuple(f[i] for f in firsts)))
         return results
+
+
+def _row_layers(kv: torch.Tensor, row: int, start: int, stop: int) -> KVLayers:
+    """Row ``row``'s positions [start, stop) of a batch's stacked KV [layers, 2, rows, heads, slots, dim], as
+    per-layer views."""
+    return [(layer[0, row:row + 1, :, start:stop], layer[1, row:row + 1, :, start:stop]) for layer in kv]
 
 
 def _row_bucket(rows: int) -> int:
