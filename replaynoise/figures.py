@@ -340,24 +340,28 @@ def plot_channel_agreement(data: Mapping[str, tuple[dict, pl.DataFrame]] | None,
     if not data:
         save_figure(_message_figure("no channels measured (channels.csv is empty)", title), out_png, out_pdf)
         return
-    fig = _new_figure(7.5, 2.6 * len(data) + 0.8)
-    x = np.arange(len(AGREEMENT_CHANNELS))
-    for row, (cfg, (comparison, channels)) in enumerate(data.items()):
-        ax = fig.add_subplot(len(data), 1, row + 1)
-        for offset, other, key in ((-0.2, "replica", "floor"), (0.2, "refeed", "refeed")):
-            shares = np.array(channel_shares(comparison, channels, other))
-            ax.bar(x + offset, np.nan_to_num(shares), 0.38, color=COLORS[key], label=f"exact vs {other}")
-            for xi, share in zip(x + offset, shares):
-                ax.text(xi, (0 if np.isnan(share) else share) + 0.02, "n/a" if np.isnan(share) else f"{share:.2f}",
-                        ha="center", va="bottom", fontsize=7)
+    # one heat-map row per configuration and replay (replica, then re-feed), one column per channel: compact
+    # at any number of configurations, and the two rows of a configuration sit side by side
+    labels, shares = [], []
+    for cfg, (comparison, channels) in data.items():
         drift = ((comparison or {}).get("verification") or {}).get("refeed_kv_maxdiff") or {}
-        note = "" if drift.get("median") is None else f"; re-feed KV max |diff| median {drift['median']:.3g}"
-        ax.set_title(f"{cfg} ({(comparison or {}).get('n_pivots', '?')} pivots{note})", fontsize=9)
-        ax.set_ylim(0, 1.32)
-        ax.set_ylabel("share identical", fontsize=8)
-        ax.set_xticks(x, [label for label, _ in AGREEMENT_CHANNELS], fontsize=7)
-        if row == 0:
-            ax.legend(fontsize=7, loc="upper center", ncols=2, frameon=False)
-    fig.suptitle(title, fontsize=10)
+        note = "" if drift.get("median") is None else f" (KV max |d| median {drift['median']:.2g})"
+        pivots = (comparison or {}).get("n_pivots", "?")
+        for other in ("replica", "refeed"):
+            shares.append(channel_shares(comparison, channels, other))
+            labels.append(f"{cfg} ({pivots} pivots)  vs replica" if other == "replica"
+                          else f"vs re-feed{note}")
+    grid = np.array(shares, dtype=float)
+    fig = _new_figure(8.0, 0.32 * len(labels) + 1.6)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.imshow(np.nan_to_num(grid, nan=0.0), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    for (i, j), share in np.ndenumerate(grid):
+        ax.text(j, i, "n/a" if np.isnan(share) else f"{share:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(np.arange(len(AGREEMENT_CHANNELS)), [label for label, _ in AGREEMENT_CHANNELS], fontsize=7)
+    ax.xaxis.tick_top()
+    ax.set_yticks(np.arange(len(labels)), labels, fontsize=7)
+    for boundary in np.arange(1.5, len(labels) - 1, 2):
+        ax.axhline(boundary, color="white", linewidth=2)
+    ax.set_title(title, fontsize=9, pad=24)
     fig.tight_layout()
     save_figure(fig, out_png, out_pdf)
