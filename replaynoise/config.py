@@ -85,13 +85,21 @@ INVARIANT_ROWS, INVARIANT_PROMPT = 64, 512
 
 
 def _fill_invariant_shape(config: dict) -> None:
-    """An HF invariant configuration's one decoder shape, filled in where not given, so that the rollouts and
-    every pass (which all receive the configuration's settings) build the same one."""
-    for settings in config["configs"].values():
-        if settings["engine"] == "hf" and settings["kernels"] == "invariant":
+    """The one decoder shape of an HF invariant configuration that decodes statically (``decode: static``, or
+    ``auto`` off the CPU), filled in where not given, so that the rollouts and every pass (which all receive
+    the configuration's settings) build the same one. Others are left as they are: their settings, and so the
+    analysis hash of a committed run, stay what they were before the invariant decoder existed."""
+    for name, settings in config["configs"].items():
+        static = settings["decode"] == "static" or (settings["decode"] == "auto" and settings["device"] != "cpu")
+        if settings["engine"] == "hf" and settings["kernels"] == "invariant" and static:
             settings.setdefault("invariant_rows", INVARIANT_ROWS)
-            budget = settings["max_new_tokens"] + config["replay"]["max_new_tokens"] + INVARIANT_PROMPT
-            settings.setdefault("invariant_context", -(-budget // 256) * 256)
+            continuation = max(config["replay"]["max_new_tokens"], config["replay"]["probe_tokens"])
+            budget = settings["max_new_tokens"] + continuation
+            settings.setdefault("invariant_context", -(-(budget + INVARIANT_PROMPT) // 256) * 256)
+            if settings["invariant_context"] <= budget:
+                raise ConfigError(
+                    f"config key configs.{name}.invariant_context: {settings['invariant_context']} slots do not hold "
+                    f"a prompt plus {settings['max_new_tokens']} rollout and {continuation} continuation tokens")
 
 
 def _check_integers(schema: dict, value: Any, path: str) -> None:

@@ -143,3 +143,19 @@ def test_batched_static_rollouts_keep_each_rows_own_kv_on_gpu(model, tmp_path):
         assert float((kx[..., p:p + 1, :] - ky[..., p:p + 1, :]).abs().max()) < 0.05 * scale
     exact = [static.prefix_state(r, "decode_kv") for r in rollout_and_requests(static, tmp_path / "r")[1]]
     assert all(s.verified and s.restep_match is not None for s in exact)
+
+
+def test_invariant_decoder_keeps_its_numbers_across_sampling_changes_with_graphs(model, tmp_path):
+    """A pass alternates sampling settings on one invariant decoder (its rows, then the greedy probe's): each
+    change recaptures the graph after an eager step, and the numbers of a batch do not depend on what ran
+    between (a fresh engine gives the same)."""
+    eng = engine(model, "invariant", invariant_rows=8, invariant_context=256)
+    _, requests = rollout_and_requests(eng, tmp_path, k=2)
+    greedy = SamplingSettings(temperature=0.0, top_p=1.0, max_new_tokens=8)
+    first = eng.run_batch(requests, "decode_kv", SAMPLING)
+    eng.run_batch(requests[:3], "decode_kv", greedy)
+    again = eng.run_batch(requests, "decode_kv", SAMPLING)
+    fresh = engine(model, "invariant", invariant_rows=8, invariant_context=256).run_batch(requests, "decode_kv",
+                                                                                          SAMPLING)
+    for a, b, c in zip(first, again, fresh):
+        assert a.token_ids == b.token_ids == c.token_ids and a.next_digest == b.next_digest == c.next_digest

@@ -113,16 +113,33 @@ def test_a_prefix_that_does_not_fit_the_invariant_shape_is_refused_by_name(model
 
 
 def test_an_invariant_configuration_gets_its_one_decoder_shape_filled_in():
-    config = validate_config({"configs": {"inv": {"model": "smollm2-135m", "kernels": "invariant",
+    config = validate_config({"configs": {"inv": {"model": "smollm2-135m", "kernels": "invariant", "device": "cuda",
                                                   "max_new_tokens": 100},
-                                          "stock": {"model": "smollm2-135m"}},
+                                          "cpu": {"model": "smollm2-135m", "kernels": "invariant"},
+                                          "static": {"model": "smollm2-135m", "kernels": "invariant",
+                                                     "decode": "static"},
+                                          "stock": {"model": "smollm2-135m", "device": "cuda"}},
                               "replay": {"max_new_tokens": 200}})
     assert config["configs"]["inv"]["invariant_rows"] == 64
     assert config["configs"]["inv"]["invariant_context"] == 1024  # 100 + 200 + 512, rounded up to 256
-    assert "invariant_rows" not in config["configs"]["stock"]
-    given = validate_config({"configs": {"inv": {"model": "smollm2-135m", "kernels": "invariant",
+    assert config["configs"]["static"]["invariant_context"] == 768  # 40 + 200 + 512
+    # decoded dynamically (auto on a CPU) or stock: nothing added, so their analysis hash stays what it was
+    assert "invariant_rows" not in config["configs"]["cpu"] and "invariant_rows" not in config["configs"]["stock"]
+    given = validate_config({"configs": {"inv": {"model": "smollm2-135m", "kernels": "invariant", "device": "cuda",
                                                  "invariant_rows": 8, "invariant_context": 320}}})
     assert (given["configs"]["inv"]["invariant_rows"], given["configs"]["inv"]["invariant_context"]) == (8, 320)
+    with pytest.raises(ConfigError, match="configs.inv.invariant_context: 256 slots"):
+        validate_config({"configs": {"inv": {"model": "smollm2-135m", "kernels": "invariant", "decode": "static",
+                                             "max_new_tokens": 200, "invariant_context": 256}},
+                         "replay": {"max_new_tokens": 100}})
     with pytest.raises(ConfigError, match="invariant_rows"):
         validate_config({"configs": {"inv": {"model": "smollm2-135m", "kernels": "invariant",
                                              "invariant_rows": 0}}})
+
+
+def test_prefill_refuses_more_rows_than_the_shape_or_an_empty_prefix_by_name(model):
+    decoder = engine(model)._aligned()
+    with pytest.raises(ValueError, match="1 to 4 non-empty"):
+        decoder.prefill([[1, 2]] * 5)
+    with pytest.raises(ValueError, match="1 to 4 non-empty"):
+        decoder.prefill([[1, 2], []])

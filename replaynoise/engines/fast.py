@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from replaynoise.engines.sampling import sample_rows
 
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------- CPU matmuls
 class _Fp32Linear(torch.nn.Module):
@@ -121,22 +123,24 @@ def _layer_out(h, o, ow, ob, ln, gw, gb, uw, ub, dw, db, eps: float, fp32: bool,
 
 
 def _compiled(fn):
-    """``fn`` compiled by inductor for fixed shapes; if compilation fails, the eager ``fn`` (same math) from then
-    on. ``.eager`` says whether it fell back."""
+    """``fn`` compiled by inductor for fixed shapes; where compilation fails, the eager ``fn`` (same math) from
+    then on, for those non-tensor arguments (a sampler's temperature and top_p) only: which kernels a call uses
+    then depends on its own arguments, never on which calls this process happened to make before.
+    ``.eager`` holds the argument sets that fell back."""
     compiled = torch.compile(fn, dynamic=False, fullgraph=True)
 
     def run(*args):
-        if run.eager:
+        key = tuple(a for a in args if not isinstance(a, torch.Tensor))
+        if key in run.eager:
             return fn(*args)
         try:
             return compiled(*args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: same result, slower
-            import logging
-            logging.getLogger(__name__).warning("compiled %s unavailable (%r); running it eagerly", fn.__name__, exc)
-            run.eager = True
+            log.warning("compiled %s unavailable for %s (%r); running it eagerly", fn.__name__, key, exc)
+            run.eager.add(key)
             return fn(*args)
 
-    run.eager = False
+    run.eager = set()
     return run
 
 
@@ -283,14 +287,19 @@ class StaticDecoder:
         self.ids.copy_(torch.tensor(tokens, device=self.device))
         self.seeds.copy_(torch.tensor(seeds, device=self.device))
         self.step_no.zero_()
-        if self.sampling != sampling:
-            self.sampling, self.graph = sampling, None
+        self._set_sampling(sampling)
         return prefix
 
-    def step(self, eager: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step, which also advances the inputs to the next one; the first call of a shape runs
-        eagerly, the second captures the graph. ``eager``: run it without the graph (the same kernels)."""
-        if eager or not self.graphs:
+    def _set_sampling(self, sampling: tuple[float, float]) -> None:
+        """New sampling settings need a new graph, captured after one eager step of their own (the first call of
+        a compiled sampler variant compiles, which must not happen inside a capture)."""
+        if self.sampling != sampling:
+            self.sampling, self.graph, self.out = sampling, None, None
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step, which also advances the inputs to the next one; the first call of a shape (or of new
+        sampling settings) runs eagerly, the second captures the graph."""
+        if not self.graphs:
             return self._step()
         if self.graph is None:
             if self.out is None:  # first use: warm up (cuBLAS handles, workspaces) on a real step
@@ -338,21 +347,30 @@ class AlignedDecoder(StaticDecoder):
         self.write.copy_(self.positions)
         self.ids.copy_(self.forced.gather(1, self.positions[:, None])[:, 0])
 
+    @torch.inference_mode()
+    def logits(self) -> torch.Tensor:
+        """One eager forward of the current inputs (its KV written as a step writes it), the logits only: no
+        sampling, nothing advanced. The re-step probe's step, with the kernels the decode steps use."""
+        return self.model.lm_head(self.inner.norm(self._layers()))[:, 0, :]
+
     def check_fits(self, needed: int) -> None:
         if needed > self.length:
             raise ValueError(f"{needed} positions do not fit the invariant decode's {self.length}-slot cache; "
                              "raise the configuration's invariant_context")
 
     def prefill(self, seqs: list[list[int]]) -> None:
-        """Compute the KV of ``seqs`` (one per row, at most ``rows``) into slots [0, len) by decode steps."""
+        """Compute the KV of ``seqs`` (one per row, at most ``rows``) into slots [0, len) by decode steps; the rows
+        left over run copies of the first."""
+        if not 0 < len(seqs) <= self.rows or not all(seqs):
+            raise ValueError(f"prefill takes 1 to {self.rows} non-empty sequences, got lengths {list(map(len, seqs))}")
         self.check_fits(max(map(len, seqs)))
+        seqs = seqs + [seqs[0]] * (self.rows - len(seqs))
         self.kv.zero_()
         self.mask.zero_()
         self.forced.zero_()
         for row, seq in enumerate(seqs):
             self.forced[row, :len(seq)] = torch.tensor(seq, dtype=torch.int64)
-        ends = [len(seq) - 1 for seq in seqs] + [0] * (self.rows - len(seqs))
-        self.hold.copy_(torch.tensor(ends, device=self.device))
+        self.hold.copy_(torch.tensor([len(seq) - 1 for seq in seqs], device=self.device))
         self.positions.zero_()
         self.write.zero_()
         self.ids.copy_(self.forced[:, 0])
@@ -394,5 +412,4 @@ class AlignedDecoder(StaticDecoder):
         self.ids.copy_(torch.tensor(ids, device=self.device))
         self.seeds.copy_(torch.tensor(seeds, device=self.device))
         self.step_no.zero_()
-        if self.sampling != sampling:
-            self.sampling, self.graph = sampling, None
+        self._set_sampling(sampling)

@@ -479,20 +479,21 @@ class HFEngine:
 
     def _restep_aligned(self, requests: list[ContinuationRequest], states: list[PrefixState]) -> None:
         """The re-step channel in the invariant decoder: each pivot's last prefix token re-run over the rest of
-        its stored KV, as one eager step of the decoder (the same kernels its graph replays)."""
+        its stored KV, as one eager forward of the decoder (the kernels its steps use), compared on the device."""
         decoder, rows = self._aligned(), self.invariant_shape[0]
-        sampling = decoder.sampling or (1.0, 1.0)  # kept, so the captured continuation graph stays valid
+        sampling = decoder.sampling or (1.0, 1.0)  # kept: a captured continuation graph stays valid
         for start in range(0, len(states), rows):
             group, reqs = states[start:start + rows], requests[start:start + rows]
             kvs = [s.kv if s.kv is not None else stack_layers(s.per_layer()) for s in group]
-            decoder.start([s.length - 1 for s in group], [r.prefix_ids[-1] for r in reqs], [0] * len(group),
-                          sampling, states=kvs)
-            logits, _ = decoder.step(eager=True)
-            digests = digest_strings(digest_rows(logits[:len(group)]))
-            for slot, (req, state, kv) in enumerate(zip(reqs, group, kvs)):
-                at = state.length - 1
-                same_kv = bool(torch.equal(decoder.kv[:, :, slot, :, at], kv[:, :, 0, :, at]))
-                state.restep_match = same_kv and digests[slot] == req.expected_digest
+            at = [s.length - 1 for s in group]
+            decoder.start(at, [r.prefix_ids[-1] for r in reqs], [0] * len(group), sampling, states=kvs)
+            digests = digest_strings(digest_rows(decoder.logits()[:len(group)]))
+            slots = torch.arange(len(group), device=self.device)
+            new = decoder.kv[:, :, slots, :, torch.tensor(at, device=self.device)]  # [rows, layers, 2, heads, dim]
+            old = torch.stack([kv[:, :, 0, :, a] for kv, a in zip(kvs, at)])
+            same_kv = (new == old).flatten(1).all(1).tolist()
+            for slot, (req, state) in enumerate(zip(reqs, group)):
+                state.restep_match = same_kv[slot] and digests[slot] == req.expected_digest
 
     def _refeed_states(self, requests: list[ContinuationRequest], seqs: list[list[int]]) -> list[PrefixState]:
         """Recompute the prefixes as fresh prompts, prefilled together (invariant: one token at a time, one row
