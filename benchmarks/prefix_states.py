@@ -27,7 +27,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from replay_throughput import qwen25_05b, timed  # noqa: E402
 
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings  # noqa: E402
-from replaynoise.engines.hf import HFEngine, load_kv  # noqa: E402
+from replaynoise.engines.hf import HFEngine  # noqa: E402
+from replaynoise.engines.kvfiles import load_kv  # noqa: E402
 
 
 def per_pivot_ms(fn, requests, device: str) -> float:

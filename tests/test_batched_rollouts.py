@@ -17,7 +17,8 @@ import torch
 
 from replaynoise import replay, rollouts
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
-from replaynoise.engines.hf import HFEngine, load_kv_file
+from replaynoise.engines.hf import HFEngine
+from replaynoise.engines.kvfiles import load_kv_file
 from replaynoise.provenance import keyed_scratch
 from tinymodel import Tokenizer, tiny_llama
 

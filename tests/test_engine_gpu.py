@@ -129,7 +129,7 @@ def test_batched_static_rollouts_keep_each_rows_own_kv_on_gpu(model, tmp_path):
     dynamic = HFEngine(model, SimpleNamespace(eos_token_id=VOCAB - 1), decode="dynamic")
     a = static.generate_rollouts(reqs, SAMPLING, tmp_path / "static", keep)
     b = dynamic.generate_rollouts(reqs, SAMPLING, tmp_path / "dynamic", keep)
-    from replaynoise.engines.hf import load_kv_file
+    from replaynoise.engines.kvfiles import load_kv_file
 
     for x, y in zip(a, b):
         assert x.response_ids[0] == y.response_ids[0] and x.logits_digests[0] == y.logits_digests[0]

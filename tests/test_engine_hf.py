@@ -17,7 +17,8 @@ from replaynoise.engines import make_engine
 from replaynoise.engines.base import (
     ContinuationRequest, RolloutRequest, SamplingSettings, VerificationError,
 )
-from replaynoise.engines.hf import HFEngine, load_kv, save_kv
+from replaynoise.engines.hf import HFEngine
+from replaynoise.engines.kvfiles import load_kv, save_kv
 from replaynoise.pivots import PivotRules, select_pivots
 from replaynoise.provenance import sha256_file
 

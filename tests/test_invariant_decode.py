@@ -15,7 +15,8 @@ import torch
 
 from replaynoise.config import ConfigError, validate_config
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
-from replaynoise.engines.hf import HFEngine, load_kv_file
+from replaynoise.engines.hf import HFEngine
+from replaynoise.engines.kvfiles import load_kv_file
 from tinymodel import Tokenizer, tiny_llama
 
 ROLLOUT = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=14)

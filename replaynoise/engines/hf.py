@@ -11,7 +11,6 @@ Two kernel modes:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections import OrderedDict
@@ -20,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load, save
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
@@ -30,12 +27,12 @@ from replaynoise.engines.base import (
     VerificationError,
 )
 from replaynoise.engines.fast import AlignedDecoder, StaticDecoder, static_decode_supported, use_fp32_matmul
+from replaynoise.engines.kvfiles import KVLayers, parse_kv, read_kv_bytes, save_kv, stack_layers
 from replaynoise.engines.sampling import (
     RowSampler, digest_rows, digest_strings, logits_digest, sample_rows, topk_logprobs, topk_rows,
 )
 from replaynoise.models import eos_token_ids
 from replaynoise.progress import Phases
-from replaynoise.provenance import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +44,6 @@ DECODE_MODES = ("auto", "dynamic", "static")
 #: On CPU, half-precision linear layers as float32 GEMMs (``fp32``) or with torch's own kernel (``native``).
 CPU_MATMULS = ("fp32", "native")
 
-KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 #: Attention backends of the HF forwards (prefills, re-steps, dynamic decode). cuDNN's is left out: it builds an
 #: execution plan for every new shape, 1.8 ms of host time per layer and forward on an H200 (measured,
 #: benchmarks/profile_pass.py), and nearly every batch of a pass has shapes of its own. CPUs never use it.
@@ -736,79 +732,3 @@ def _left_padded_cache(states: list[PrefixState]) -> tuple[DynamicCache, torch.T
 
 def cache_layers(cache: DynamicCache) -> KVLayers:
     return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def stack_layers(layers: KVLayers) -> torch.Tensor | None:
-    """Per-layer KV as one tensor [layers, 2, batch, kv_heads, positions, head_dim]; None where the layers'
-    shapes differ (sliding-window layers that keep only their window)."""
-    if any(k.shape != layers[0][0].shape or v.shape != k.shape for k, v in layers):
-        return None
-    return torch.stack([torch.stack((k, v)) for k, v in layers])
-
-
-def save_kv(layers: KVLayers, keep: int, path: Path, ids: list[int] | None = None) -> str:
-    """Store the first ``keep`` positions of a batch-1 cache in its native dtype, with the token ids they were
-    computed from; return the file's sha256 (the content digest a resume checks), hashed from the bytes written
-    rather than read back."""
-    tensors = {}
-    for i, (k, v) in enumerate(layers):
-        tensors[f"k.{i}"] = k[..., :keep, :].contiguous().cpu()
-        tensors[f"v.{i}"] = v[..., :keep, :].contiguous().cpu()
-    if ids is not None:
-        tensors["ids"] = torch.tensor(ids[:keep], dtype=torch.int64)
-    # One metadata key only: safetensors writes metadata in hash-map order, so several keys would make equal
-    # caches give different bytes (and different checksums) from run to run.
-    data = save(tensors, metadata={"replaynoise-kv": f"format=1;positions={keep}"})
-    with atomic_path(path) as tmp:
-        Path(tmp).write_bytes(data)
-    return hashlib.sha256(data).hexdigest()
-
-
-def load_kv(path: str | Path, expected_sha256: str | None = None, device: torch.device | str = "cpu") -> KVLayers:
-    """Load a stored cache; a file whose checksum or structure is wrong raises an error naming it."""
-    return load_kv_file(path, expected_sha256, device)[0]
-
-
-def load_kv_file(path: str | Path, expected_sha256: str | None = None, device: torch.device | str = "cpu"
-                 ) -> tuple[KVLayers, list[int] | None]:
-    """A stored cache and the token ids it was computed from (None in files written before ids were stored)."""
-    return parse_kv(read_kv_bytes(path, expected_sha256), path, device)[:2]
-
-
-def read_kv_bytes(path: str | Path, expected_sha256: str | None = None) -> bytes:
-    """A stored cache's bytes, read once and checked against the checksum recorded at capture."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise VerificationError(f"{path}: stored KV cannot be read ({exc})") from exc
-    if expected_sha256 is not None:
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != expected_sha256:
-            raise VerificationError(
-                f"{path}: stored KV is corrupt (sha256 {actual}, recorded {expected_sha256}); "
-                "rerun the rollout step for this configuration")
-    return data
-
-
-def parse_kv(data: bytes, path: str | Path, device: torch.device | str = "cpu"
-             ) -> tuple[KVLayers, list[int] | None, torch.Tensor | None]:
-    """A stored cache from its bytes: per-layer (k, v) on ``device``, the ids, and the layers stacked
-    ([layers, 2, 1, kv_heads, positions, head_dim], the per-layer tensors are its views; None where the layers
-    differ in shape)."""
-    try:
-        tensors = load(data)
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise VerificationError(f"{path}: stored KV cannot be read ({exc})") from exc
-    ids = tensors.pop("ids", None)
-    n_layers = len(tensors) // 2
-    try:
-        layers = [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(n_layers)]
-    except KeyError as exc:
-        raise VerificationError(f"{path}: stored KV lacks tensor {exc}") from exc
-    stacked = stack_layers(layers)  # one host-to-device copy per file where the layers allow it
-    if stacked is not None:
-        stacked = stacked.to(device)
-        layers = [(stacked[i, 0], stacked[i, 1]) for i in range(n_layers)]
-    else:
-        layers = [(k.to(device), v.to(device)) for k, v in layers]
-    return layers, None if ids is None else ids.tolist(), stacked
