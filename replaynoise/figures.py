@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import matplotlib
 import numpy as np
 import polars as pl
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -354,7 +355,8 @@ def plot_channel_agreement(data: Mapping[str, tuple[dict, pl.DataFrame]] | None,
     grid = np.array(shares, dtype=float)
     fig = _new_figure(8.0, 0.32 * len(labels) + 1.6)
     ax = fig.add_subplot(1, 1, 1)
-    ax.imshow(np.nan_to_num(grid, nan=0.0), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="lightgrey")  # n/a (not measured): grey, not red
+    ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
     for (i, j), share in np.ndenumerate(grid):
         ax.text(j, i, "n/a" if np.isnan(share) else f"{share:.2f}", ha="center", va="center", fontsize=7)
     ax.set_xticks(np.arange(len(AGREEMENT_CHANNELS)), [label for label, _ in AGREEMENT_CHANNELS], fontsize=7)

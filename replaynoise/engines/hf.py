@@ -74,6 +74,10 @@ class PrefixState:
     def per_layer(self) -> KVLayers:
         return self.layers if self.layers is not None else [(kv[0], kv[1]) for kv in self.kv]
 
+    def stacked(self) -> torch.Tensor:
+        """The KV as one [layers, 2, 1, kv_heads, length, head_dim] tensor (what the invariant decoder loads)."""
+        return self.kv if self.kv is not None else stack_layers(self.per_layer())
+
 
 class HFEngine:
     name = "hf"
@@ -164,7 +168,8 @@ class HFEngine:
     def generate_rollouts(self, requests: list[RolloutRequest], sampling: SamplingSettings, kv_dir: Path,
                           keep_len: KeepLen) -> list[Rollout]:
         """All requests as one batch (stock: left-padded prefill, then one decode step for every row at once; each
-        row's own, unpadded decode-time KV is kept); invariant: one token of one row per forward, as before."""
+        row's own, unpadded decode-time KV is kept); invariant: in the invariant decoder, ``invariant_rows`` at a
+        time, or, without static decode, one token of one row per forward."""
         if self.aligned:
             rows = [row for start in range(0, len(requests), self.invariant_shape[0])
                     for row in self._generate_aligned(requests[start:start + self.invariant_shape[0]], sampling)]
@@ -480,7 +485,7 @@ class HFEngine:
         sampling = decoder.sampling or (1.0, 1.0)  # kept: a captured continuation graph stays valid
         for start in range(0, len(states), rows):
             group, reqs = states[start:start + rows], requests[start:start + rows]
-            kvs = [s.kv if s.kv is not None else stack_layers(s.per_layer()) for s in group]
+            kvs = [s.stacked() for s in group]
             at = [s.length - 1 for s in group]
             decoder.start(at, [r.prefix_ids[-1] for r in reqs], [0] * len(group), sampling, states=kvs)
             digests = digest_strings(digest_rows(decoder.logits()[:len(group)]))
@@ -492,8 +497,9 @@ class HFEngine:
                 state.restep_match = same_kv[slot] and digests[slot] == req.expected_digest
 
     def _refeed_states(self, requests: list[ContinuationRequest], seqs: list[list[int]]) -> list[PrefixState]:
-        """Recompute the prefixes as fresh prompts, prefilled together (invariant: one token at a time, one row
-        at a time); where the decode KV is stored, record how far each moved from it (max |dKV| per layer)."""
+        """Recompute the prefixes as fresh prompts, prefilled together (invariant: by the invariant decoder's steps,
+        or one token of one row at a time without static decode); where the decode KV is stored, record how far
+        each moved from it (max |dKV| per layer)."""
         if self.aligned:  # prefilled by the invariant decoder's own steps, at most invariant_rows at a time
             decoder, rows, stacks = self._aligned(), self.invariant_shape[0], []
             for start in range(0, len(seqs), rows):
@@ -654,7 +660,7 @@ class HFEngine:
         with self.phases("load states"):
             decoder.start([s.length for s in states], [r.branch_token for r in requests], [r.seed for r in requests],
                           (sampling.temperature, sampling.top_p),
-                          states=[s.kv if s.kv is not None else stack_layers(s.per_layer()) for s in states])
+                          states=[s.stacked() for s in states])
         return self._decode_rows(decoder, requests, states, steps)
 
     def _decode_rows(self, decoder: StaticDecoder, requests: list[ContinuationRequest], states: list[PrefixState],
