@@ -297,6 +297,22 @@ def eos_token_ids(generation_config, tokenizer) -> set[int]:
     return ids
 
 
+def stop_token_ids(tokenizer, stops: list[str] | tuple[str, ...]) -> set[int]:
+    """Every vocabulary token whose own text contains one of ``stops``: the stop set of ``configs.X.stop``.
+
+    Token ids, not text matching, so that every engine stops at the same sampled token without detokenizing, and
+    a stop text that arrives inside a longer token (".\\n") stops too. A stop no token contains is refused by
+    value: it would silently never stop anything."""
+    if not stops:
+        return set()
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
+    ids = {i for i, text in enumerate(texts) for stop in stops if stop in text}
+    for stop in stops:
+        if not any(stop in text for text in texts):
+            raise ValueError(f"configs stop text {stop!r} is in no token of the model's vocabulary")
+    return ids - set(tokenizer.all_special_ids)
+
+
 def eos_ids(weights: Path, tokenizer) -> set[int]:
     """``eos_token_ids`` for a weights directory, without loading the model (engines that load it themselves)."""
     from transformers import GenerationConfig

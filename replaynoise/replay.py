@@ -180,7 +180,7 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
             results = engine.run_batch(batch, spec.source, samp)
             with grading("grade"):
                 records = graded_records(batch, results, engine.tokenizer, spec.source, batch_id, sseed, golds,
-                                         pivot_problem, pivot_t)
+                                         pivot_problem, pivot_t, engine.stop_ids)
             pending.append(writer.submit(write, kind, batch_id, records))
             for future in [f for f in pending if f.done()]:
                 future.result()  # a failed write stops the pass here, not at the end
@@ -206,12 +206,18 @@ def with_restep_once(requests: list[ContinuationRequest], schedule: list[list[in
 
 
 def graded_records(batch: list[ContinuationRequest], results: list, tokenizer, source: str, batch_id: int,
-                   sseed: int, golds: dict, pivot_problem: dict, pivot_t: dict) -> list[dict]:
-    """One batch's rows: each continuation decoded as part of its whole response and graded."""
+                   sseed: int, golds: dict, pivot_problem: dict, pivot_t: dict,
+                   stop_ids: set[int] | frozenset = frozenset()) -> list[dict]:
+    """One batch's rows: each continuation decoded as part of its whole response and graded.
+
+    The response ends at its first stop token (``configs.X.stop``): a branch token that is one (a pivot at the
+    end of the answer line) ends the answer there, whatever the engine samples after it."""
     records = []
     for req, res in zip(batch, results):
         prompt_len = len(req.prefix_ids) - pivot_t[req.pivot_id]
         response = list(req.prefix_ids[prompt_len:]) + [req.branch_token] + res.token_ids
+        end = next((j for j, t in enumerate(response) if t in stop_ids), None)
+        response = response if end is None else response[:end + 1]
         text = tokenizer.decode(response, skip_special_tokens=True)
         answer = extract_answer(text)
         records.append({

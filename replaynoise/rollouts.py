@@ -26,17 +26,23 @@ PROMPT_STYLES = ("chat", "plain")
 _LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def prompt_ids(tokenizer, question: str, style: str, instruction: str) -> list[int]:
-    """The prompt as token ids: the chat template for instruct models, a plain Q/A frame for base models."""
-    text = f"{instruction} {question}".strip() if instruction else question
+def prompt_ids(tokenizer, question: str, style: str, instruction: str, shots: list[dict] = ()) -> list[int]:
+    """The prompt as token ids: the chat template for instruct models, a plain Q/A frame for base models, with
+    the worked examples ``shots`` ({question, answer}) before the question in the same frame."""
+    def ask(q: str) -> str:
+        return f"{instruction} {q}".strip() if instruction else q
+
     if style == "chat":
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("prompt.style is 'chat' but the model has no chat template; use prompt.style: plain")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
+        turns = [turn for shot in shots for turn in ({"role": "user", "content": ask(shot["question"])},
+                                                     {"role": "assistant", "content": shot["answer"]})]
+        ids = tokenizer.apply_chat_template(turns + [{"role": "user", "content": ask(question)}],
+                                            add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     if style == "plain":
-        return list(tokenizer(f"Question: {text}\nAnswer:", add_special_tokens=True)["input_ids"])
+        examples = "".join(f"Question: {ask(shot['question'])}\nAnswer: {shot['answer']}\n\n" for shot in shots)
+        return list(tokenizer(f"{examples}Question: {ask(question)}\nAnswer:", add_special_tokens=True)["input_ids"])
     raise ValueError(f"prompt.style must be one of {PROMPT_STYLES}, got {style!r}")
 
 
@@ -57,8 +63,10 @@ def answer_token_span(tokenizer, response_ids: list[int]) -> tuple[int, int] | N
     return (tokens[0], tokens[-1] + 1) if tokens else None
 
 
-def rollout_record(rollout: Rollout, tokenizer, gold: str, span: tuple[int, int] | None) -> dict:
-    """One rollouts.parquet row; ``span`` is the final-answer span (``answer_token_span``)."""
+def rollout_record(rollout: Rollout, tokenizer, gold: str, span: tuple[int, int] | None,
+                   special: set[int]) -> dict:
+    """One rollouts.parquet row; ``span`` is the final-answer span (``answer_token_span``), ``special`` the
+    tokens no substitute may be (the tokenizer's special tokens and the engine's stop tokens)."""
     text = tokenizer.decode(rollout.response_ids, skip_special_tokens=True)
     answer = extract_answer(text)
     return {
@@ -66,7 +74,7 @@ def rollout_record(rollout: Rollout, tokenizer, gold: str, span: tuple[int, int]
         "response_ids": rollout.response_ids, "topk_ids": rollout.topk_ids, "topk_logprobs": rollout.topk_logprobs,
         "logits_digests": rollout.logits_digests, "finish_reason": rollout.finish_reason, "text": text,
         "answer": answer, "gold": gold, "correct": is_correct(answer, gold),
-        "answer_span": list(span) if span else None, "special_ids": sorted(tokenizer.all_special_ids),
+        "answer_span": list(span) if span else None, "special_ids": sorted(special),
         "kv_file": rollout.kv_file, "kv_len": rollout.kv_len, "kv_sha256": rollout.kv_sha256,
     }
 
@@ -79,7 +87,7 @@ def rollout_batches(problem_ids: list[str], per_problem: int, batch_size: int) -
 
 
 def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: int, sampling: SamplingSettings,
-             style: str, instruction: str, rules: PivotRules, kv_dir: Path, work_dir: Path, per_problem: int = 1,
+             style: str, instruction: str, shots: list[dict] = (), rules: PivotRules, kv_dir: Path, work_dir: Path, per_problem: int = 1,
              batch_size: int = 1, scratch_key: str = "", mine: range | None = None) -> pl.DataFrame:
     """Generate (or resume) the rollouts of problems ``mine`` (rows of ``problems``; default all), ``per_problem``
     per problem; KV files end in ``kv_dir``, each kept as far as the rollout's chosen pivots need it.
@@ -98,14 +106,14 @@ def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: 
     progress = TokenProgress(len(own) * per_problem, f"rollouts {config_name}",
                              initial=sum(len(own & set(batches[b])) for b in done) * per_problem)
     by_id = {row["problem_id"]: row for row in problems.iter_rows(named=True)}
-    special = set(tokenizer.all_special_ids)
+    special = set(tokenizer.all_special_ids) | engine.stop_ids  # a stop token ends a response as EOS does
 
     for b, batch in batches.items():
         if b in done:
             continue
         requests = []
         for pid in batch:
-            prompt = tuple(prompt_ids(tokenizer, by_id[pid]["question"], style, instruction))
+            prompt = tuple(prompt_ids(tokenizer, by_id[pid]["question"], style, instruction, shots))
             requests += [RolloutRequest(pid, prompt, derive_seed(seed, config_name, "rollout", pid, r), rollout=r)
                          for r in range(per_problem)]
         spans = {}  # the answer span, computed once: keep_len needs it before the record does
@@ -126,7 +134,7 @@ def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: 
                 continue
             key = (rollout.problem_id, rollout.rollout)
             span = spans[key] if key in spans else answer_token_span(tokenizer, rollout.response_ids)
-            record = rollout_record(rollout, tokenizer, by_id[rollout.problem_id]["gold"], span)
+            record = rollout_record(rollout, tokenizer, by_id[rollout.problem_id]["gold"], span, special)
             if record["kv_file"]:
                 record["kv_file"] = str(Path(kv_dir) / Path(record["kv_file"]).name)
             records.append(record)

@@ -124,8 +124,10 @@ def test_every_schema_property_documents_a_default_or_is_required():
         required = set(node.get("required", []))
         for key, sub in node.get("properties", {}).items():
             sub_path = f"{path}.{key}" if path else key
-            # x-derived-default: filled in by validation where it applies (the invariant decoder's shape)
-            if "default" not in sub and "x-derived-default" not in sub and key not in required:
+            # x-derived-default: filled in by validation where it applies (the invariant decoder's shape);
+            # x-absent-default: absence is the default (added keys that leave every existing configuration's
+            # settings, and so its analysis hash, as they were)
+            if not {"default", "x-derived-default", "x-absent-default"} & set(sub) and key not in required:
                 missing.append(sub_path)
             walk(sub, sub_path)
         extra = node.get("additionalProperties")

@@ -20,15 +20,16 @@ def make_engine(settings: dict, model_dir: Path, *, topk: int, threads: int) -> 
     torch.set_num_threads(threads)
     if settings["engine"] == "hf":
         from replaynoise.engines.hf import HFEngine
-        from replaynoise.models import load_model
+        from replaynoise.models import load_model, stop_token_ids
 
         model, tokenizer = load_model(model_dir, settings["dtype"], settings["device"])
         return HFEngine(model, tokenizer, kernels=settings["kernels"], topk=topk,
                         decode=settings.get("decode", "auto"), cpu_matmul=settings.get("cpu_matmul", "fp32"),
+                        stop_ids=stop_token_ids(tokenizer, settings.get("stop", [])),
                         **{key: settings[key] for key in ("invariant_rows", "invariant_context") if key in settings})
     if settings["engine"] == "vllm":
         from replaynoise.engines.vllm import VLLMEngine, build_llm, check_invariant_platform
-        from replaynoise.models import eos_ids, load_tokenizer, model_weights_dir
+        from replaynoise.models import eos_ids, load_tokenizer, model_weights_dir, stop_token_ids
 
         if settings["kernels"] == "invariant":
             check_invariant_platform(settings["device"])
@@ -36,5 +37,6 @@ def make_engine(settings: dict, model_dir: Path, *, topk: int, threads: int) -> 
         tokenizer = load_tokenizer(weights)
         llm = build_llm(weights, settings, topk=topk, threads=threads)
         return VLLMEngine(llm, tokenizer, eos_ids(weights, tokenizer), topk=topk,
-                          block_size=settings["block_size"])
+                          block_size=settings["block_size"],
+                          stop_ids=stop_token_ids(tokenizer, settings.get("stop", [])))
     raise ValueError(f"engine must be one of {ENGINES}, got {settings['engine']!r}")

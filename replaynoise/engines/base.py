@@ -102,6 +102,8 @@ class Engine(Protocol):
     name: str
     #: the model's tokenizer (prompts, decoding and re-tokenization are engine-independent)
     tokenizer: object
+    #: text tokens that end a response as end of sequence does (``configs.X.stop``); graded text ends at them
+    stop_ids: set[int]
     #: seconds per phase of the engine's work (``progress.Phases``), for the step's closing log line
     phases: "Phases"
 

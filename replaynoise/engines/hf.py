@@ -84,7 +84,7 @@ class HFEngine:
 
     def __init__(self, model, tokenizer, *, kernels: str = "stock", topk: int = 5, decode: str = "auto",
                  cpu_matmul: str = "fp32", cache_gib: float | None = None, invariant_rows: int = 64,
-                 invariant_context: int = 1024) -> None:
+                 invariant_context: int = 1024, stop_ids: set[int] | frozenset = frozenset()) -> None:
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
         if decode not in DECODE_MODES:
@@ -110,7 +110,8 @@ class HFEngine:
         self._graphs = True  # CUDA graphs for the static decode (tests turn them off to compare)
         self.attention = os.environ.get("REPLAYNOISE_STATIC_ATTENTION", "sdpa")  # sdpa | efficient | gemm
         self.topk = topk
-        self.eos_ids = eos_token_ids(model.generation_config, tokenizer)
+        self.stop_ids = set(stop_ids)  # text tokens that end a response (configs.X.stop) as the EOS ids do
+        self.eos_ids = eos_token_ids(model.generation_config, tokenizer) | self.stop_ids
         # Stored KV files stay on the device for the pass, within a byte budget (the rows of one pivot are spread
         # over many batches by the schedule): 8 GiB on a GPU, 1 GiB on a CPU.
         self._file_budget = int((cache_gib if cache_gib is not None else 8 if self.device.type == "cuda" else 1)

@@ -146,10 +146,12 @@ class Generated:
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, llm, tokenizer, eos_ids: set[int], *, topk: int = 5, block_size: int = 32) -> None:
+    def __init__(self, llm, tokenizer, eos_ids: set[int], *, topk: int = 5, block_size: int = 32,
+                 stop_ids: set[int] | frozenset = frozenset()) -> None:
         self.llm = llm
         self.tokenizer = tokenizer
-        self.eos_ids = set(eos_ids)
+        self.stop_ids = set(stop_ids)  # text tokens that end a response (configs.X.stop), stopped on like EOS
+        self.eos_ids = set(eos_ids) | self.stop_ids
         self.topk = topk
         self.block_size = block_size
         #: rollouts whose decode-time blocks this process has produced: cache salt -> (prompt, result)

@@ -20,7 +20,8 @@ shard = problems[mine.start:mine.stop]
 frame = rollouts.generate(
     engine, problems, mine=mine, config_name=snakemake.wildcards.config, seed=p.seed,
     sampling=SamplingSettings(s["temperature"], s["top_p"], s["max_new_tokens"]), style=p.prompt["style"],
-    instruction=p.prompt["instruction"], rules=PivotRules.from_config(p.pivots, s["block_size"]),
+    instruction=p.prompt["instruction"], shots=p.prompt.get("shots", []),
+    rules=PivotRules.from_config(p.pivots, s["block_size"]),
     per_problem=p.rollouts["per_problem"], batch_size=p.rollouts["batch_size"], kv_dir=Path(snakemake.output.kv),
     work_dir=Path(p.work), scratch_key=stable_hash([p.code, s, p.seed, p.prompt, p.pivots, p.rollouts, p.topk,
                                                     sha256_file(snakemake.input.problems),
