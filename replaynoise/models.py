@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from importlib.metadata import version as package_version
 from pathlib import Path
 
 from replaynoise.provenance import atomic_path, check_sha256, folder_lock, read_json, sha256_file, write_json
@@ -220,6 +221,7 @@ def _convert_gguf(gguf: Path, dtype: str, out_dir: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True,
                                               trust_remote_code=False)
+    check_tokenizer(tokenizer, str(gguf))
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype),
                                                  local_files_only=True, trust_remote_code=False)
     model.hf_quantizer = None  # the dequantized weights are plain tensors; saving must not re-quantize
@@ -227,6 +229,26 @@ def _convert_gguf(gguf: Path, dtype: str, out_dir: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+#: Common words that a working subword tokenizer, having a token for the word, encodes as that one token.
+TOKENIZER_PROBES = (" the", " and", " answer", " apples")
+
+
+def check_tokenizer(tokenizer, where: str) -> None:
+    """Refuse a tokenizer that does not merge: one that has a token for a common word but spells the word in
+    pieces. transformers 5.17 converts Gemma-3's GGUF tokenizer so (" apples" as 3 tokens, not 36157; 5.23
+    converts it right): the model then reads near-character prompts and degenerates into repeated digits,
+    which silently looks like a weak model."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
+    whole = {text: i for i, text in enumerate(texts)}
+    for probe in TOKENIZER_PROBES:
+        ids = tokenizer.encode(probe, add_special_tokens=False)
+        if probe in whole and ids != [whole[probe]]:
+            raise ValueError(f"{where}: the tokenizer spells {probe!r} as {ids}, though token {whole[probe]} is "
+                             f"that word: it does not merge (a wrong conversion by transformers "
+                             f"{package_version('transformers')}; 5.17 converts Gemma-3's GGUF so, 5.23 does "
+                             "not); prepare the model with another transformers version")
 
 
 def check_model_runs(weights: Path, dtype: str) -> None:
@@ -246,6 +268,7 @@ def check_model_runs(weights: Path, dtype: str) -> None:
     except Exception as exc:  # transformers raises many types here; the user needs the path and the cause
         raise ValueError(f"{weights}: does not load and run as a causal language model "
                          f"({type(exc).__name__}: {exc})") from exc
+    check_tokenizer(tokenizer, str(weights))
     if not torch.isfinite(logits).all():
         raise ValueError(f"{weights}: the model's next-token logits are not finite (broken weights?)")
     if float(logits.max() - logits.min()) == 0.0:

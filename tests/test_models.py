@@ -17,6 +17,8 @@ from replaynoise.models import (
     PACKAGED_MODELS,
     assemble_gguf,
     check_local_model_dir,
+    check_tokenizer,
+    load_tokenizer,
     load_model,
     model_source_files,
     model_weights_dir,
@@ -25,6 +27,32 @@ from replaynoise.models import (
 from replaynoise.provenance import ChecksumError, sha256_file
 
 pytestmark = pytest.mark.slow
+
+
+class Unmerged:
+    """A tokenizer with a token for every probe word that still spells text one character a token, as
+    transformers 5.17's conversion of Gemma-3's GGUF does."""
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+        self.chars = {tokenizer.decode([i]): i for i in range(len(tokenizer)) if len(tokenizer.decode([i])) == 1}
+
+    def __len__(self):
+        return len(self.inner)
+
+    def batch_decode(self, ids, **kwargs):
+        return self.inner.batch_decode(ids, **kwargs)
+
+    def encode(self, text, **_):
+        return [self.chars[c] for c in text]
+
+
+def test_a_tokenizer_that_does_not_merge_is_refused_by_name(smollm2_dir):
+    tokenizer = load_tokenizer(model_weights_dir(smollm2_dir))
+    check_tokenizer(tokenizer, "packaged")  # the real one merges
+    with pytest.raises(ValueError, match=r"where: the tokenizer spells ' the' as \[\d+, \d+, \d+, \d+\], though "
+                                         r"token 260 is that word: it does not merge .*transformers 5\."):
+        check_tokenizer(Unmerged(tokenizer), "where")
 
 
 def test_packaged_model_prepares_offline_with_chat_template(smollm2_dir):
