@@ -231,6 +231,11 @@ def _convert_gguf(gguf: Path, dtype: str, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def vocabulary_texts(tokenizer) -> list[str]:
+    """The text of every token id on its own, special tokens included (index = id)."""
+    return tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
+
+
 #: Common words that a working subword tokenizer, having a token for the word, encodes as that one token.
 TOKENIZER_PROBES = (" the", " and", " answer", " apples")
 
@@ -240,8 +245,7 @@ def check_tokenizer(tokenizer, where: str) -> None:
     pieces. transformers 5.17 converts Gemma-3's GGUF tokenizer so (" apples" as 3 tokens, not 36157; 5.23
     converts it right): the model then reads near-character prompts and degenerates into repeated digits,
     which silently looks like a weak model."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
-    whole = {text: i for i, text in enumerate(texts)}
+    whole = {text: i for i, text in enumerate(vocabulary_texts(tokenizer))}
     for probe in TOKENIZER_PROBES:
         ids = tokenizer.encode(probe, add_special_tokens=False)
         if probe in whole and ids != [whole[probe]]:
@@ -328,11 +332,12 @@ def stop_token_ids(tokenizer, stops: list[str] | tuple[str, ...]) -> set[int]:
     value: it would silently never stop anything."""
     if not stops:
         return set()
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
-    ids = {i for i, text in enumerate(texts) for stop in stops if stop in text}
+    texts, ids = vocabulary_texts(tokenizer), set()
     for stop in stops:
-        if not any(stop in text for text in texts):
+        holding = {i for i, text in enumerate(texts) if stop in text}
+        if not holding:
             raise ValueError(f"configs stop text {stop!r} is in no token of the model's vocabulary")
+        ids |= holding
     return ids - set(tokenizer.all_special_ids)
 
 

@@ -87,8 +87,9 @@ def rollout_batches(problem_ids: list[str], per_problem: int, batch_size: int) -
 
 
 def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: int, sampling: SamplingSettings,
-             style: str, instruction: str, shots: list[dict] = (), rules: PivotRules, kv_dir: Path, work_dir: Path, per_problem: int = 1,
-             batch_size: int = 1, scratch_key: str = "", mine: range | None = None) -> pl.DataFrame:
+             style: str, instruction: str, shots: list[dict] = (), rules: PivotRules, kv_dir: Path,
+             work_dir: Path, per_problem: int = 1, batch_size: int = 1, scratch_key: str = "",
+             mine: range | None = None) -> pl.DataFrame:
     """Generate (or resume) the rollouts of problems ``mine`` (rows of ``problems``; default all), ``per_problem``
     per problem; KV files end in ``kv_dir``, each kept as far as the rollout's chosen pivots need it.
 
