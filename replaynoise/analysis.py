@@ -418,6 +418,10 @@ def _block(sel: pl.DataFrame, extras: Sequence[str], *, metric: str, theta: floa
     return block
 
 
+#: The pooled comparison's probe note: the probe needs each configuration's pass rows.
+POOLED_PROBE_REASON = "not pooled: the probe channel is in each configuration's comparison.json"
+
+
 def compare_passes(credit: Mapping[str, pl.DataFrame], *, theta: float, theta_sweep: list[float] | None,
                    n_boot: int, seed: int, min_eligible: int, ci: float = 0.95, metric: str = "sign",
                    margin_split: float = 0.3, probes: pl.DataFrame | None = None,

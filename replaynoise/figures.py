@@ -25,6 +25,10 @@ from replaynoise.stats import disagree
 PNG_METADATA = {"Software": None}
 PDF_METADATA = {"CreationDate": None, "Producer": None, "Creator": None}
 NO_DATA = "no eligible pivots"
+#: The workflow's figures by what they are drawn from (each is ``plot_<name>``), named once for the rules and
+#: for a rebuild from a reference folder.
+FROM_COMPARISONS = ("disagreement", "kinds_of_change", "jaccard_sweep")
+FROM_CREDIT = ("diff_histogram", "disagreement_vs_margin")
 COLORS = {"floor": "#7f7f7f", "refeed": "#d62728", "refeed_text": "#ff7f0e", "replica_fresh": "#1f77b4",
           "zero_crossing": "#d62728", "reversal": "#9467bd", "magnitude": "#bcbd22", "ceiling": "#7f7f7f"}
 

@@ -7,15 +7,41 @@ so a reviewer can tell a platform's last-bit drift from a different result.
 
     python -m replaynoise.reference snapshot results reference/cpu   # after a campaign, to commit
     python -m replaynoise.reference compare reference/cpu results    # after a rerun; exit 1 on a difference
+    python -m replaynoise.reference rebuild reference/gpu/qwen /tmp/qwen  # on CPU; exit 1 on a difference
+    python -m replaynoise.reference figure reference/gpu reference/gpu/smollm2 reference/gpu/qwen ...
+
+`rebuild` recomputes a reference folder's statistics, tables and figures from its committed per-pivot credit
+tables and configuration alone, and checks each rebuilt file against the folder's manifest: a reader needs no
+GPU to see that the committed numbers follow from the committed pivots. What needs the replayed rows (the
+channels, the probe, the verification and the cache counts; not committed, their sha256 is in the manifest) is
+taken as committed.
+
+`figure` redraws the channel-agreement figure of several reference folders together (one run's workflow draws
+only its own configurations), from their committed analysis files alone, so a reader can rebuild it on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import polars as pl
+
+from replaynoise import figures
+from replaynoise.analysis import POOLED_PROBE_REASON, compare_passes, headline_rows, pool_credit
+from replaynoise.config import analysis_hash
+from replaynoise.provenance import read_json, read_parquet, sha256_file, write_json
+from replaynoise.tables import write_headline_tables
+
+#: How far a rebuilt number may move from the committed one and still be the same result (last-bit drift of
+#: floating point on another CPU; a real difference in a pivot moves a rate by 1/n, far more)
+DRIFT_TOLERANCE = 1e-9
+#: comparison.json entries computed from the replayed rows, which a reference folder does not hold
+FROM_ROWS = ("probe", "verification", "prefix_cache")
 
 #: What a snapshot keeps: small, human-readable outputs. Parquet tables and KV files stay out; the manifest
 #: still carries their checksums.
@@ -82,9 +108,7 @@ def compare_manifests(reference: dict[str, str], rerun: dict[str, str]) -> Compa
 
 def table_differences(reference_csv: Path, rerun_csv: Path, limit: int = 20) -> list[str]:
     """Cell-level differences between two CSV tables of the same shape, largest numeric change first."""
-    import polars as pl
-
-    ref, new = pl.read_csv(reference_csv, infer_schema_length=0), pl.read_csv(rerun_csv, infer_schema_length=0)
+    ref, new = (pl.read_csv(path, infer_schema_length=0, comment_prefix="#") for path in (reference_csv, rerun_csv))
     if ref.columns != new.columns or ref.height != new.height:
         return [f"shape differs: {ref.height} x {ref.columns} vs {new.height} x {new.columns}"]
     found = []
@@ -128,6 +152,128 @@ def compare(reference: Path, results: Path, out=None) -> bool:
     return outcome.agrees
 
 
+def channel_data(folders: list[Path]) -> dict[str, tuple[dict, pl.DataFrame]]:
+    """Every configuration's comparison and channels, folder by folder in the order given (the figure's row
+    order), configurations by name within a folder; the pooled analysis has no channels and is left out."""
+    data: dict[str, tuple[dict, pl.DataFrame]] = {}
+    for folder in folders:
+        found = sorted(p.parent for p in (folder / "analysis").glob("*/channels.csv"))
+        if not found:
+            raise FileNotFoundError(f"{folder}: no analysis/<config>/channels.csv (not a reference folder?)")
+        for config in found:
+            if config.name in data:
+                raise ValueError(f"configuration {config.name!r} is in two of the folders given ({folder})")
+            data[config.name] = (read_json(config / "comparison.json"), pl.read_csv(config / "channels.csv"))
+    return data
+
+
+def rebuild(reference: Path, out: Path) -> list[Path]:
+    """Recompute ``reference``'s comparisons, headline tables and figures into ``out`` (a results-like tree)
+    as the workflow's rules do, from its credit tables and recorded configuration; returns the files written."""
+    reference, out = Path(reference), Path(out)
+    config = read_json(reference / "provenance.json")["config"]
+    pooled_ref = read_json(reference / "analysis" / "pooled" / "comparison.json")
+    configs, passes, a = list(pooled_ref["configs"]), list(config["replay"]["passes"]), config["analysis"]
+    if pooled_ref["analysis_hash"] != analysis_hash(config):
+        raise ValueError(f"{reference}: provenance.json's configuration has analysis hash {analysis_hash(config)}, "
+                         f"the committed analysis {pooled_ref['analysis_hash']}")
+    credits = {c: {p: read_parquet(reference / "credit" / c / f"{p}.parquet") for p in passes} for c in configs}
+    stats = dict(theta=a["theta"], theta_sweep=None, n_boot=a["n_boot"], seed=config["seed"],
+                 min_eligible=a["min_eligible"], ci=a["ci"], metric=a["metric"], margin_split=a["margin_split"])
+    written, comparisons, channels = [], {}, {}
+    for c in configs:
+        committed = read_json(reference / "analysis" / c / "comparison.json")
+        result = compare_passes(credits[c], **stats)
+        result.update({key: committed[key] for key in FROM_ROWS if key in committed})
+        result.update(config=c, kernels=committed["kernels"], analysis_hash=pooled_ref["analysis_hash"])
+        comparisons[c], channels[c] = result, pl.read_csv(reference / "analysis" / c / "channels.csv")
+        written.append(out / "analysis" / c / "comparison.json")
+        write_json(result, written[-1])
+    pooled = compare_passes(pool_credit(credits), **stats, probe_reason=POOLED_PROBE_REASON)
+    pooled.update(config="pooled", configs=configs, analysis_hash=pooled_ref["analysis_hash"])
+    written.append(out / "analysis" / "pooled" / "comparison.json")
+    write_json(pooled, written[-1])
+    tables = [out / "tables" / f"headline.{ext}" for ext in ("csv", "md", "tex")]
+    write_headline_tables(headline_rows({**comparisons, "pooled": pooled}), pooled_ref["analysis_hash"], *tables)
+    written += tables
+    conditioning = config["figures"]["conditioning"]
+    drawn = {name: (comparisons, {"conditioning": conditioning}) for name in figures.FROM_COMPARISONS}
+    drawn |= {name: (credits, {"conditioning": conditioning}) for name in figures.FROM_CREDIT}
+    drawn["disagreement_vs_margin"][1].update(n_bins=config["figures"]["margin_bins"], metric=a["metric"])
+    drawn["channel_agreement"] = ({c: (comparisons[c], channels[c]) for c in configs}, {})
+    for name, (data, extra) in drawn.items():
+        png, pdf = out / "figures" / f"{name}.png", out / "figures" / f"{name}.pdf"
+        getattr(figures, f"plot_{name}")(data, png, pdf, **extra)
+        written += [png, pdf]
+    return written
+
+
+def _values(path: Path) -> list:
+    """A JSON file's leaves or a CSV file's cells, in order, for a comparison value by value."""
+    if path.suffix == ".json":
+        leaves, stack = [], [read_json(path)]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                leaves.append(tuple(sorted(node)))
+                stack.extend(node[k] for k in sorted(node, reverse=True))
+            elif isinstance(node, list):
+                leaves.append(len(node))
+                stack.extend(reversed(node))
+            else:
+                leaves.append(node)
+        return leaves
+    return [cell for row in csv.reader(path.read_text().splitlines()) for cell in [len(row), *row]]
+
+
+def float_drift(reference_file: Path, rebuilt_file: Path) -> float | None:
+    """The largest relative difference between two files' numbers where everything else in them is equal;
+    None where anything else differs. Linear algebra on another CPU or BLAS moves the last bits of an OLS t."""
+    ref, new = _values(reference_file), _values(rebuilt_file)
+    if len(ref) != len(new):
+        return None
+    worst = 0.0
+    for a, b in zip(ref, new):
+        if a == b:
+            continue
+        try:
+            x, y = float(a), float(b)
+        except (TypeError, ValueError):
+            return None
+        worst = max(worst, abs(x - y) / max(abs(x), abs(y)))
+    return worst
+
+
+def check_rebuild(reference: Path, out: Path, written: list[Path], report=None) -> bool:
+    """Each rebuilt file against the reference manifest (and the committed credit tables against it too,
+    since the rebuild rests on them); prints what differs, table cells included. True if every number agrees
+    (bitwise, or within last-bit float drift); a figure that differs is named but does not fail the check,
+    since a change of the drawing code since the run changes its bytes and none of its numbers."""
+    report = sys.stdout if report is None else report
+    manifest = read_manifest(Path(reference) / "MANIFEST.sha256")
+    checked = [(p.relative_to(out).as_posix(), p) for p in written]
+    checked += [(p.relative_to(reference).as_posix(), p) for p in sorted(Path(reference).glob("credit/*/*.parquet"))]
+    differing = [(rel, path) for rel, path in checked if manifest.get(rel) != sha256_file(path)]
+    print(f"{len(checked) - len(differing)} of {len(checked)} rebuilt files and credit tables identical to "
+          f"{reference}/MANIFEST.sha256 (sha256)", file=report)
+    failed = False
+    for rel, path in differing:
+        committed = Path(reference) / rel
+        drift = float_drift(committed, path) if committed.is_file() and path.suffix in (".json", ".csv") else None
+        if drift is not None and drift <= DRIFT_TOLERANCE:
+            print(f"  last-bit float drift only (largest relative difference {drift:.1e}): {rel}", file=report)
+            continue
+        figure = rel.startswith("figures/")
+        failed |= not figure
+        state = "absent from the manifest" if rel not in manifest else "differs"
+        note = " (a figure: its bytes follow the drawing code and matplotlib too; see provenance.json)" if figure else ""
+        print(f"  {state}: {rel}{note}", file=report)
+        if rel.endswith(".csv") and committed.is_file():
+            for line in table_differences(committed, path):
+                print(f"      {line}", file=report)
+    return not failed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m replaynoise.reference", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,11 +283,26 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("compare", help="check a rerun against a reference folder (exit 1 on a difference)")
     check.add_argument("reference", type=Path)
     check.add_argument("results", type=Path)
+    again = sub.add_parser("rebuild", help="recompute a reference folder's statistics, tables and figures from its "
+                           "credit tables into OUT and check them against its manifest (exit 1 on a difference)")
+    again.add_argument("reference", type=Path)
+    again.add_argument("out", type=Path)
+    fig = sub.add_parser("figure", help="draw the channel-agreement figure of several reference folders into OUT")
+    fig.add_argument("out", type=Path)
+    fig.add_argument("folders", type=Path, nargs="+")
     args = parser.parse_args(argv)
     try:
         if args.command == "snapshot":
             copied = snapshot(args.results, args.reference)
             print(f"{len(copied)} files copied to {args.reference}")
+            return 0
+        if args.command == "rebuild":
+            return 0 if check_rebuild(args.reference, args.out, rebuild(args.reference, args.out)) else 1
+        if args.command == "figure":
+            args.out.mkdir(parents=True, exist_ok=True)
+            data = channel_data(args.folders)
+            figures.plot_channel_agreement(data, args.out / "channel_agreement.png", args.out / "channel_agreement.pdf")
+            print(f"{len(data)} configurations drawn to {args.out}/channel_agreement.{{png,pdf}}")
             return 0
         return 0 if compare(args.reference, args.results) else 1
     except (FileNotFoundError, ValueError) as exc:

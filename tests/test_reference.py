@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
+from pathlib import Path
 
+import polars as pl
 import pytest
 
-from replaynoise.reference import compare, main, read_manifest, snapshot
+from replaynoise.reference import channel_data, compare, main, read_manifest, snapshot
+
+GPU = Path(__file__).resolve().parents[1] / "reference" / "gpu"
 
 
 def write(path, text):
@@ -39,8 +45,9 @@ def test_identical_rerun_agrees(tmp_path, capsys):
 
 
 def test_a_changed_table_is_reported_cell_by_cell(tmp_path, capsys):
-    snapshot(fake_results(tmp_path / "results"), tmp_path / "ref")
-    rerun = fake_results(tmp_path / "rerun", headline="config,excess_pp\na,7.5\nb,4.25\n")
+    # headline.csv starts with '#' lines (the analysis hash, the paper's ranges), as the workflow writes it
+    snapshot(fake_results(tmp_path / "results", headline="# hash: x\nconfig,excess_pp\na,7.5\nb,3.0\n"), tmp_path / "ref")
+    rerun = fake_results(tmp_path / "rerun", headline="# hash: x\nconfig,excess_pp\na,7.5\nb,4.25\n")
     assert main(["compare", str(tmp_path / "ref"), str(rerun)]) == 1
     out = capsys.readouterr().out
     assert "1 differ" in out and "differs: tables/headline.csv" in out and "row 1 excess_pp: 3.0 -> 4.25" in out
@@ -65,3 +72,52 @@ def test_a_run_without_manifest_is_refused_naming_it(tmp_path, capsys):
     (tmp_path / "bad" / "MANIFEST.sha256").write_text("not a manifest line\n")
     with pytest.raises(ValueError, match="MANIFEST.sha256:1: not a sha256sum line"):
         read_manifest(tmp_path / "bad" / "MANIFEST.sha256")
+
+
+def test_figure_of_several_folders_keeps_their_order_and_draws_from_committed_files(tmp_path, capsys):
+    data = channel_data([GPU / "gemma", GPU / "smollm2"])
+    assert list(data) == ["gemma3-bf16", "smollm2-bf16", "smollm2-fp16"]  # folder order, then names
+    comparison, channels = data["gemma3-bf16"]
+    assert comparison["config"] == "gemma3-bf16" and set(channels["pass_b"]) == {"refeed", "replica"}
+    assert main(["figure", str(tmp_path / "fig"), str(GPU / "gemma"), str(GPU / "smollm2")]) == 0
+    assert "3 configurations drawn" in capsys.readouterr().out
+    assert (tmp_path / "fig" / "channel_agreement.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_figure_refuses_a_folder_given_twice_and_one_without_analysis_by_name(tmp_path, capsys):
+    assert main(["figure", str(tmp_path / "fig"), str(GPU / "gemma"), str(GPU / "gemma")]) == 2
+    assert "'gemma3-bf16' is in two of the folders" in capsys.readouterr().err
+    assert main(["figure", str(tmp_path / "fig"), str(tmp_path)]) == 2
+    assert f"{tmp_path}: no analysis/<config>/channels.csv" in capsys.readouterr().err
+
+
+def test_rebuild_of_a_committed_gpu_reference_agrees_with_its_manifest(tmp_path, capsys):
+    assert main(["rebuild", str(GPU / "gemma"), str(tmp_path / "rebuilt")]) == 0
+    out = capsys.readouterr().out
+    assert "rebuilt files and credit tables identical" in out and "differs" not in out
+    # the numbers come from the credit tables: the rebuilt table has the committed main row
+    assert "| gemma3-bf16 | main | sign | 856 (97) |" in (tmp_path / "rebuilt" / "tables" / "headline.md").read_text()
+
+
+def test_rebuild_names_a_changed_pivot_and_the_table_cells_it_moves(tmp_path, capsys):
+    reference = tmp_path / "gemma"
+    shutil.copytree(GPU / "gemma", reference)
+    exact = reference / "credit" / "gemma3-bf16" / "exact.parquet"
+    frame = pl.read_parquet(exact)
+    flipped = frame.with_columns(a_hat=pl.when(pl.int_range(pl.len()) == 0).then(-pl.col("a_hat") - 0.25)
+                                 .otherwise(pl.col("a_hat")))
+    flipped.write_parquet(exact)
+    assert main(["rebuild", str(reference), str(tmp_path / "rebuilt")]) == 1
+    out = capsys.readouterr().out
+    assert "differs: credit/gemma3-bf16/exact.parquet" in out
+    assert "differs: tables/headline.csv" in out and "refeed_disagreement" in out  # cell by cell
+
+
+def test_rebuild_refuses_a_configuration_that_is_not_the_analysed_one(tmp_path, capsys):
+    reference = tmp_path / "gemma"
+    shutil.copytree(GPU / "gemma", reference)
+    provenance = json.loads((reference / "provenance.json").read_text())
+    provenance["config"]["analysis"]["theta"] = 0.25
+    (reference / "provenance.json").write_text(json.dumps(provenance))
+    assert main(["rebuild", str(reference), str(tmp_path / "rebuilt")]) == 2
+    assert "analysis hash" in capsys.readouterr().err

@@ -8,6 +8,7 @@ sys.path.insert(0, workflow.basedir)
 
 from replaynoise.config import ConfigError, analysis_hash, check_config_file, validate_config  # noqa: E402
 from replaynoise.data import check_n_problems  # noqa: E402
+from replaynoise.figures import FROM_COMPARISONS, FROM_CREDIT  # noqa: E402
 from replaynoise.models import model_source_files, resolve_model_spec  # noqa: E402
 from replaynoise.provenance import stable_hash  # noqa: E402
 from replaynoise.replay import PASSES  # noqa: E402
@@ -154,8 +155,8 @@ def all_credit(wildcards=None):
     return [credit_file(c, p) for c in CONFIGS for p in RUN_PASSES]
 
 
-FIGURES_FROM_COMPARISONS = ["disagreement", "kinds_of_change", "jaccard_sweep"]
-FIGURES_FROM_CREDIT = ["diff_histogram", "disagreement_vs_margin"]
+FIGURES_FROM_COMPARISONS = list(FROM_COMPARISONS)
+FIGURES_FROM_CREDIT = list(FROM_CREDIT)
 
 
 def figure_outputs(name):
