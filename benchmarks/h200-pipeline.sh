@@ -13,8 +13,21 @@ work=${WORK:-$PWD/benchmarks/out/run}
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$work/.pycache}
 SECONDS=0
-timeout "$limit" snakemake -s "$PWD/Snakefile" --directory "$work" --cores "$(nproc)" --resources gpu=1 \
-    --configfile "$PWD/$cfg" --replace-workflow-config 2>&1 | grep -E -i "error|exception" | head -20
+# Snakemake in a process group of its own, ended with its jobs at the limit: a plain `timeout snakemake | grep`
+# waited on for the jobs (a vLLM job keeps the pipe open after Snakemake is gone), so the call ran past its limit
+# and brought nothing back (measured on the H200).
+mkdir -p "$work"
+log="$work/snakemake.log"
+set -m
+snakemake -s "$PWD/Snakefile" --directory "$work" --cores "$(nproc)" --resources gpu=1 \
+    --configfile "$PWD/$cfg" --replace-workflow-config > "$log" 2>&1 &
+run=$!
+( sleep "$limit"; kill -TERM -- "-$run"; sleep 15; kill -KILL -- "-$run" ) > /dev/null 2>&1 &
+watchdog=$!
+wait "$run"
+kill -- "-$watchdog" 2>/dev/null  # its sleep too, which would otherwise hold the caller's output open
+set +m
+grep -E -i "error|exception" "$log" | head -20
 echo "wall ${SECONDS} s; MANIFEST: $(test -f "$work/results/MANIFEST.sha256" && echo present || echo absent)"
 grep -h -E ": done,|time by phase" "$work"/results/logs/generate_rollouts/*.log "$work"/results/logs/replay_*/*.log
 python benchmarks/pipeline.py "$work" --configfile "$cfg" ${out:+--out "$out"}

