@@ -422,6 +422,14 @@ def _block(sel: pl.DataFrame, extras: Sequence[str], *, metric: str, theta: floa
 POOLED_PROBE_REASON = "not pooled: the probe channel is in each configuration's comparison.json"
 
 
+def comparison_settings(analysis: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """``compare_passes``'s settings from a configuration's ``analysis`` block, for the workflow's rules and a
+    rebuild of a reference alike: one reading of the block, so a rebuild cannot analyse otherwise than the run."""
+    return dict(theta=analysis["theta"], theta_sweep=None, n_boot=analysis["n_boot"], seed=seed,
+                min_eligible=analysis["min_eligible"], ci=analysis["ci"], metric=analysis["metric"],
+                margin_split=analysis["margin_split"])
+
+
 def compare_passes(credit: Mapping[str, pl.DataFrame], *, theta: float, theta_sweep: list[float] | None,
                    n_boot: int, seed: int, min_eligible: int, ci: float = 0.95, metric: str = "sign",
                    margin_split: float = 0.3, probes: pl.DataFrame | None = None,

@@ -32,7 +32,8 @@ from pathlib import Path
 import polars as pl
 
 from replaynoise import figures
-from replaynoise.analysis import POOLED_PROBE_REASON, compare_passes, headline_rows, pool_credit
+from replaynoise.analysis import (
+    POOLED_PROBE_REASON, compare_passes, comparison_settings, headline_rows, pool_credit)
 from replaynoise.config import analysis_hash
 from replaynoise.provenance import read_json, read_parquet, sha256_file, write_json
 from replaynoise.tables import write_headline_tables
@@ -173,20 +174,19 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
     reference, out = Path(reference), Path(out)
     config = read_json(reference / "provenance.json")["config"]
     pooled_ref = read_json(reference / "analysis" / "pooled" / "comparison.json")
-    configs, passes, a = list(pooled_ref["configs"]), list(config["replay"]["passes"]), config["analysis"]
+    configs, passes = list(pooled_ref["configs"]), list(config["replay"]["passes"])
     if pooled_ref["analysis_hash"] != analysis_hash(config):
         raise ValueError(f"{reference}: provenance.json's configuration has analysis hash {analysis_hash(config)}, "
                          f"the committed analysis {pooled_ref['analysis_hash']}")
     credits = {c: {p: read_parquet(reference / "credit" / c / f"{p}.parquet") for p in passes} for c in configs}
-    stats = dict(theta=a["theta"], theta_sweep=None, n_boot=a["n_boot"], seed=config["seed"],
-                 min_eligible=a["min_eligible"], ci=a["ci"], metric=a["metric"], margin_split=a["margin_split"])
-    written, comparisons, channels = [], {}, {}
+    stats = comparison_settings(config["analysis"], config["seed"])
+    committed = channel_data([reference])
+    written, comparisons = [], {}
     for c in configs:
-        committed = read_json(reference / "analysis" / c / "comparison.json")
         result = compare_passes(credits[c], **stats)
-        result.update({key: committed[key] for key in FROM_ROWS if key in committed})
-        result.update(config=c, kernels=committed["kernels"], analysis_hash=pooled_ref["analysis_hash"])
-        comparisons[c], channels[c] = result, pl.read_csv(reference / "analysis" / c / "channels.csv")
+        result.update({key: committed[c][0][key] for key in FROM_ROWS if key in committed[c][0]})
+        result.update(config=c, kernels=committed[c][0]["kernels"], analysis_hash=pooled_ref["analysis_hash"])
+        comparisons[c] = result
         written.append(out / "analysis" / c / "comparison.json")
         write_json(result, written[-1])
     pooled = compare_passes(pool_credit(credits), **stats, probe_reason=POOLED_PROBE_REASON)
@@ -196,14 +196,11 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
     tables = [out / "tables" / f"headline.{ext}" for ext in ("csv", "md", "tex")]
     write_headline_tables(headline_rows({**comparisons, "pooled": pooled}), pooled_ref["analysis_hash"], *tables)
     written += tables
-    conditioning = config["figures"]["conditioning"]
-    drawn = {name: (comparisons, {"conditioning": conditioning}) for name in figures.FROM_COMPARISONS}
-    drawn |= {name: (credits, {"conditioning": conditioning}) for name in figures.FROM_CREDIT}
-    drawn["disagreement_vs_margin"][1].update(n_bins=config["figures"]["margin_bins"], metric=a["metric"])
-    drawn["channel_agreement"] = ({c: (comparisons[c], channels[c]) for c in configs}, {})
-    for name, (data, extra) in drawn.items():
+    drawn = {name: comparisons for name in figures.FROM_COMPARISONS} | {name: credits for name in figures.FROM_CREDIT}
+    drawn["channel_agreement"] = {c: (comparisons[c], committed[c][1]) for c in configs}
+    for name, data in drawn.items():
         png, pdf = out / "figures" / f"{name}.png", out / "figures" / f"{name}.pdf"
-        getattr(figures, f"plot_{name}")(data, png, pdf, **extra)
+        getattr(figures, f"plot_{name}")(data, png, pdf, **figures.plot_options(name, config))
         written += [png, pdf]
     return written
 

@@ -218,7 +218,6 @@ def test_a_cache_miss_makes_exact_rows_unverified(engine, stored, pivots, tmp_pa
     engine.forget_rollouts()
 
 
-
 def test_the_engine_runs_with_the_configured_block_size(engine):
     assert engine.llm.llm_engine.vllm_config.cache_config.block_size == SETTINGS["block_size"] == engine.block_size
 

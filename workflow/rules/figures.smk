@@ -13,7 +13,7 @@ for _fig in FIGURES_FROM_COMPARISONS:
             code=code_version("figures", "analysis", "stats", "credit", "provenance"),
             figure=_fig,
             configs=CONFIGS,
-            conditioning=config["figures"]["conditioning"],
+            options=plot_options(_fig, config),
         log:
             f"{LOGS}/figure_{_fig}.log",
         conda:
@@ -37,9 +37,7 @@ for _fig in FIGURES_FROM_CREDIT:
             figure=_fig,
             configs=CONFIGS,
             passes=RUN_PASSES,
-            conditioning=config["figures"]["conditioning"],
-            margin_bins=config["figures"]["margin_bins"] if _fig == "disagreement_vs_margin" else None,
-            metric=config["analysis"]["metric"] if _fig == "disagreement_vs_margin" else None,
+            options=plot_options(_fig, config),
         log:
             f"{LOGS}/figure_{_fig}.log",
         conda:
@@ -59,6 +57,7 @@ rule figure_channel_agreement:
         code=code_version("figures", "analysis", "stats", "credit", "provenance"),
         figure="channel_agreement",
         configs=CONFIGS,
+        options=plot_options("channel_agreement", config),
     log:
         f"{LOGS}/figure_channel_agreement.log",
     conda:

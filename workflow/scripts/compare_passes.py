@@ -6,16 +6,14 @@ from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
 from replaynoise.analysis import (  # noqa: E402
-    assert_all_identical, cache_summary, channel_agreement, compare_passes, verification_summary)
+    assert_all_identical, cache_summary, channel_agreement, compare_passes, comparison_settings, verification_summary)
 from replaynoise.provenance import read_parquet, write_json, write_text  # noqa: E402
 from replaynoise.stats import probe_deltas  # noqa: E402
 
-p, a = snakemake.params, snakemake.params.analysis
+p = snakemake.params
 credit = {name: read_parquet(f) for name, f in zip(p.passes, snakemake.input.credit)}
 passes = {name: read_parquet(f) for name, f in zip(p.passes, snakemake.input.passes)}
-result = compare_passes(credit, theta=a["theta"], theta_sweep=None, n_boot=a["n_boot"], seed=p.seed,
-                        min_eligible=a["min_eligible"], ci=a["ci"], metric=a["metric"],
-                        margin_split=a["margin_split"], probes=probe_deltas(passes))
+result = compare_passes(credit, **comparison_settings(p.analysis, p.seed), probes=probe_deltas(passes))
 result.update(config=snakemake.wildcards.config, kernels=p.kernels, analysis_hash=p.analysis_hash,
               verification=verification_summary(credit["exact"], passes.get("refeed"), passes["exact"]),
               prefix_cache=cache_summary(passes))

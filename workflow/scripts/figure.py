@@ -20,6 +20,4 @@ elif "comparisons" in snakemake.input.keys():
     data = {c: read_json(f) for c, f in zip(p.configs, snakemake.input.comparisons)}
 else:
     data = read_credit_grid(list(snakemake.input.credit), p.configs, p.passes)
-extra = {arg: value for arg, key in (("conditioning", "conditioning"), ("n_bins", "margin_bins"), ("metric", "metric"))
-         if (value := getattr(p, key, None)) is not None}
-plot(data, out.png, out.pdf, **extra)
+plot(data, out.png, out.pdf, **p.options)
