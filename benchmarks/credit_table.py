@@ -1,5 +1,7 @@
-"""The main-conditioning row of every configuration of a run, from its per-pivot credit tables alone: for runs
-that stopped before their tables (an invariant run whose passes differ fails compare_passes by design).
+"""The headline rows of a run, from its per-pivot credit tables alone: for runs that stopped before their tables
+(an invariant run whose passes differ fails compare_passes by design). The statistics and the table are the
+workflow's own (compare_passes, headline_rows, render_markdown); main conditioning, then each configuration's
+verified share of pivots.
 
     python benchmarks/credit_table.py RUN_DIR --configfile CAMPAIGN.yaml
 
@@ -11,20 +13,14 @@ import argparse
 import sys
 from pathlib import Path
 
+import polars as pl
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from replaynoise.analysis import compare_passes, comparison_settings  # noqa: E402
-from replaynoise.config import validate_config  # noqa: E402
-from replaynoise.provenance import read_parquet  # noqa: E402
-
-
-def pct(d: dict) -> str:
-    return f"{100 * d['estimate']:.1f} [{100 * d['ci_lo']:.1f}, {100 * d['ci_hi']:.1f}]"
-
-
-def num(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
+from replaynoise.analysis import compare_passes, comparison_settings, headline_rows  # noqa: E402
+from replaynoise.config import analysis_hash, validate_config  # noqa: E402
+from replaynoise.credit import read_credit_grid  # noqa: E402
+from replaynoise.tables import render_markdown  # noqa: E402
 
 
 def main() -> None:
@@ -33,19 +29,15 @@ def main() -> None:
     ap.add_argument("--configfile", required=True)
     args = ap.parse_args()
     config = validate_config(yaml.safe_load(Path(args.configfile).read_text()))
-    print("| configuration | n (problems) | re-feed % [95% CI] | floor % [95% CI] | excess pp [95% CI] "
-          "| per-problem t | OLS t | verified |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name in config["configs"]:
-        folder = args.run / "credit" / name
-        credit = {p.stem: read_parquet(p) for p in sorted(folder.glob("*.parquet"))}
-        result = compare_passes(credit, **comparison_settings(config["analysis"], config["seed"]), probes=None)
-        row = result["conditionings"]["main"]["by_metric"][config["analysis"]["metric"]]
-        d, e, t = row["disagreement"], row["excess_pp"], row["per_problem_t"]
-        print(f"| {name} | {d['exact_vs_refeed']['n']} ({t.get('n_problems')}) | {pct(d['exact_vs_refeed'])} "
-              f"| {pct(d['exact_vs_replica'])} | {e['estimate']:+.1f} [{e['ci_lo']:+.1f}, {e['ci_hi']:+.1f}] "
-              f"| {num(t.get('t'))} | {num(row['clustered_t'].get('t'))} "
-              f"| {int(credit['exact']['verified'].sum())} / {credit['exact'].height} |")
+    configs, passes = list(config["configs"]), list(config["replay"]["passes"])
+    files = [str(args.run / "credit" / c / f"{p}.parquet") for c in configs for p in passes]
+    credits = read_credit_grid(files, configs, passes)
+    stats = comparison_settings(config["analysis"], config["seed"])
+    rows = headline_rows({c: compare_passes(credits[c], **stats) for c in configs})
+    print(render_markdown(rows.filter(pl.col("conditioning") == "main"), analysis_hash(config)))
+    for c in configs:
+        exact = credits[c]["exact"]
+        print(f"- {c}: exact state verified for {int(exact['verified'].sum())} of {exact.height} pivots")
 
 
 if __name__ == "__main__":
