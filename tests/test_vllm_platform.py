@@ -7,7 +7,10 @@ import yaml
 
 from replaynoise.config import ConfigError, DEFAULT_CONFIG_PATH, validate_config
 from replaynoise.engines import make_engine
-from replaynoise.engines.vllm import GPU_HEADROOM_GIB, PlatformError, check_invariant_platform, gpu_memory_share
+from replaynoise.engines.vllm import (
+    GPU_HEADROOM_GIB, PlatformError, check_invariant_platform, gpu_memory_share, patch_invariant_rms_norm,
+    row_invariant_add_rms_norm,
+)
 from replaynoise.pivots import PivotRules, candidate_positions
 
 NAME = "smollm2-bf16"
@@ -74,3 +77,38 @@ def test_gpu_memory_share_asks_for_the_cache_and_headroom_only():
 def test_gpu_memory_share_refuses_a_cache_larger_than_the_gpu_naming_the_key():
     with pytest.raises(ValueError, match=r"kv_cache_gib 200 .* 139.8 GiB"):
         gpu_memory_share(200, H200_BYTES)
+
+
+def _reference_rms_norm(x, weight, eps):
+    """A per-row RMSNorm in plain torch, standing in for vLLM's Triton kernel (which needs a GPU)."""
+    xf = x.float()
+    return (xf * (xf.pow(2).mean(-1, keepdim=True) + eps).rsqrt()).to(x.dtype) * weight
+
+
+def test_the_invariant_add_rms_norm_adds_elementwise_then_normalises_each_row_alone():
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(7, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    weight = torch.rand(64, generator=gen).to(torch.bfloat16)
+    x0, r0 = x.clone(), residual.clone()
+    norm = row_invariant_add_rms_norm(_reference_rms_norm)
+    out, summed = norm(x, weight, 1e-6, residual=residual)
+    assert torch.equal(summed, (x0.float() + r0.float()).to(torch.bfloat16))
+    assert torch.equal(out, _reference_rms_norm(summed, weight, 1e-6))
+    assert torch.equal(x, x0) and torch.equal(residual, r0)  # out of place: the layer uses the returned pair
+    # a row's result is the same alone as among the other rows
+    alone, alone_summed = norm(x[2:3], weight, 1e-6, residual=residual[2:3])
+    assert torch.equal(alone, out[2:3]) and torch.equal(alone_summed, summed[2:3])
+    # without a residual it is the wrapped kernel itself
+    assert torch.equal(norm(x, weight, 1e-6), _reference_rms_norm(x, weight, 1e-6))
+
+
+def test_the_invariant_rms_norm_is_installed_once_where_vllm_s_rmsnorm_layer_looks_it_up(monkeypatch):
+    layernorm = pytest.importorskip("vllm.model_executor.layers.layernorm")
+    original = layernorm.rms_norm_batch_invariant
+    monkeypatch.setattr(layernorm, "rms_norm_batch_invariant", original)  # restored after the test
+    patch_invariant_rms_norm()
+    installed = layernorm.rms_norm_batch_invariant
+    assert installed is not original and installed.row_invariant
+    patch_invariant_rms_norm()
+    assert layernorm.rms_norm_batch_invariant is installed  # not wrapped twice

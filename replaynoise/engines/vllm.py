@@ -88,6 +88,36 @@ def invariant_llm_kwargs() -> dict:
     return {"attention_config": {"backend": "FLASH_ATTN", "flash_attn_version": 2}}
 
 
+def row_invariant_add_rms_norm(rms_norm):
+    """vLLM's batch-invariant RMSNorm with the residual add done by ``rms_norm`` (a per-row kernel) as well.
+
+    vLLM 0.26 under VLLM_BATCH_INVARIANT sends ``RMSNorm(x, residual)`` to its CUDA ``fused_add_rms_norm`` in
+    the scalar launch, whose thread block is 1,024 wide below 256 tokens in the step and 256 wide from there
+    on: a row is summed in another order when the step holds more tokens, so a request's numbers depend on its
+    batch (one prompt alone and in a batch of 9 agree; in batches of ~100 they do not, and neither do prefill
+    and decode; the block sizes are csrc/layernorm_kernels.cu's). The add is elementwise; the normalisation
+    then runs in vLLM's own Triton kernel, one program per row with a fixed block, the one it already uses
+    without a residual."""
+    def norm(input, weight, eps=1e-6, residual=None):
+        if residual is None:
+            return rms_norm(input, weight, eps)
+        summed = (input.float() + residual.float()).to(input.dtype)
+        return rms_norm(summed, weight, eps), summed
+
+    norm.row_invariant = True
+    return norm
+
+
+def patch_invariant_rms_norm() -> None:
+    """Install :func:`row_invariant_add_rms_norm` where vLLM's RMSNorm layer looks it up (in this process: the
+    engine core runs here, VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vllm.model_executor.layers import layernorm
+
+    current = layernorm.rms_norm_batch_invariant  # vLLM's Triton RMSNorm, wherever a version keeps it
+    if not getattr(current, "row_invariant", False):
+        layernorm.rms_norm_batch_invariant = row_invariant_add_rms_norm(current)
+
+
 #: what a small model's vLLM process holds on the GPU besides its KV cache (weights, activations, CUDA context)
 GPU_HEADROOM_GIB = 8.0
 
@@ -113,6 +143,8 @@ def build_llm(weights: Path, settings: dict, *, topk: int, threads: int):
     if invariant:
         check_invariant_platform(device)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if invariant:  # patch_invariant_rms_norm must reach the engine core: it has to run in this process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     kwargs: dict = invariant_llm_kwargs() if invariant else {}
     if device == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings["kv_cache_gib"])
@@ -127,6 +159,8 @@ def build_llm(weights: Path, settings: dict, *, topk: int, threads: int):
         kwargs["kv_cache_memory_bytes"] = int(settings["kv_cache_gib"] * 2**30)
         # the device is cuda:0 of this process once CUDA_VISIBLE_DEVICES names it
         kwargs["gpu_memory_utilization"] = gpu_memory_share(settings["kv_cache_gib"], torch.cuda.mem_get_info()[1])
+        if invariant:
+            patch_invariant_rms_norm()
     from vllm import LLM
 
     return LLM(model=str(weights), tokenizer=str(weights), dtype=settings["dtype"], seed=0,
