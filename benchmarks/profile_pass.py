@@ -28,7 +28,7 @@ from replaynoise import replay
 from replaynoise.config import validate_config
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import SamplingSettings
-from replaynoise.provenance import read_json, read_parquet
+from replaynoise.io import read_json, read_parquet
 
 
 def timed_steps(engine) -> list:

@@ -22,6 +22,7 @@ import numpy as np
 import polars as pl
 import statsmodels.api as sm
 
+from replaynoise.passes import PASSES
 from replaynoise.stats import (
     METRIC_DEFINITIONS, METRICS, check_metric, classify_changes, disagree, eligibility_sources, json_number,
     margin_split as margin_split_rates, mcnemar_z, mean_zero_unclustered, per_problem_t, probe_summary,
@@ -632,8 +633,6 @@ def same_noise(agreement_df: pl.DataFrame) -> pl.DataFrame:
 
     selector and replica_fresh use other seeds by design, so even batch-invariant kernels give other tokens there.
     """
-    from replaynoise.replay import PASSES
-
     noise = {name: spec.noise for name, spec in PASSES.items()}
     keep = [noise.get(a) == noise.get(b) for a, b in zip(agreement_df["pass_a"], agreement_df["pass_b"])]
     return agreement_df.filter(pl.Series(keep, dtype=pl.Boolean))

@@ -12,7 +12,8 @@ from typing import Any
 import jsonschema
 import yaml
 
-from replaynoise.provenance import stable_hash
+from replaynoise.io import stable_hash
+from replaynoise.models import check_local_model_dir, context_length, resolve_model_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
@@ -164,8 +165,6 @@ def _leaf_errors(errors: list[jsonschema.ValidationError]) -> list[jsonschema.Va
 
 def _check_semantics(config: dict) -> None:
     """Checks JSON Schema cannot express: files that must exist, models that must resolve."""
-    from replaynoise.models import check_local_model_dir, context_length, resolve_model_spec
-
     dataset = config["dataset"]
     if dataset["source"] == "file":
         if not dataset["path"]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import polars as pl
 
-from replaynoise.provenance import atomic_path
+from replaynoise.io import atomic_path
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import polars as pl
 
-from replaynoise.provenance import read_parquet
+from replaynoise.io import read_parquet
+from replaynoise.passes import BRANCHES
 
-BRANCHES = ("orig", "sub")
 #: Eligibility rules, the paper's first (the default).
 ELIGIBILITY = ("graded", "finished")
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from replaynoise.provenance import ChecksumError, atomic_path, check_sha256, folder_lock, read_parquet, write_parquet
+from replaynoise.io import ChecksumError, atomic_path, check_sha256, folder_lock, read_parquet, write_parquet
 
 # ----------------------------------------------------------------------------------------------------------
 # Fetching pinned wheels

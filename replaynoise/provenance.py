@@ -1,180 +1,29 @@
-"""Atomic writes, checksums, the results manifest and the provenance record.
+"""The results manifest and the provenance record: what ran, on what, from which inputs.
 
-Every output is written to a temporary file beside its target and renamed into place, so an interrupted
-step never leaves a file that a rerun would mistake for finished work.
+The top of the package: it reads the configuration's deviations (``replaynoise.config``) and the file helpers
+of ``replaynoise.io``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import glob
+import ast
 import hashlib
-import json
 import os
 import platform
-import re
 import shutil
-import sys
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # polars is imported by the callers; this module must also load where only torch is
-    import polars as pl
+from replaynoise.config import deviations
+from replaynoise.io import read_json, sha256_file, write_text
 
 #: Packages whose versions go into provenance.json.
 TRACKED_PACKAGES = (
     "torch", "transformers", "snakemake", "polars", "statsmodels", "matplotlib",
     "gguf", "accelerate", "safetensors", "math-verify", "numpy", "vllm",
 )
-
-
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
-@contextlib.contextmanager
-def folder_lock(folder: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive lock on a folder (flock on the folder itself: no lock file is left behind), so that
-    two jobs producing one shared file (a model both dtypes of a configuration need) take turns: the second
-    waits, then finds the first's verified file. Locks of different folders are independent."""
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-@contextlib.contextmanager
-def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``target``; rename it onto ``target`` only if the block succeeds."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-        if tmp_path.exists():
-            os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are meant to be shared
-        os.replace(tmp_path, target)
-    finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
-
-
-def remove_stale_temporaries(target: Path) -> None:
-    """Delete temporary files a killed writer of ``target`` left behind.
-
-    SIGKILL skips the ``finally`` below, so a killed step can leave ``.NAME.XXXXXXXX.tmp`` beside its target.
-    Snakemake never runs two jobs with the same output, so when the target is written again any such file
-    is an orphan, and removing it keeps ``results/`` free of debris that would outlive the rerun.
-    """
-    pattern = re.compile(re.escape(f".{target.name}.") + r"[A-Za-z0-9_]{8}\.tmp")
-    for sibling in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
-        if pattern.fullmatch(sibling.name):
-            with contextlib.suppress(FileNotFoundError):
-                sibling.unlink()
-
-
-def write_parquet(df: "pl.DataFrame", target: str | os.PathLike) -> None:
-    """Write a parquet file atomically. Statistics are off so equal frames give equal bytes."""
-    with atomic_path(target) as tmp:
-        df.write_parquet(tmp, statistics=False, compression="zstd")
-
-
-class UnreadableFileError(RuntimeError):
-    """An input file exists but cannot be read (truncated, corrupt); the message names it."""
-
-
-def read_parquet(path: str | os.PathLike, **kwargs: Any) -> "pl.DataFrame":
-    """Read a parquet file; a truncated or corrupt one raises an error naming the file, not a bare decoder error."""
-    import polars as pl
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    try:
-        return pl.read_parquet(path, **kwargs)
-    except (pl.exceptions.PolarsError, OSError) as exc:
-        raise UnreadableFileError(
-            f"{path}: not a readable parquet file, truncated or corrupt ({type(exc).__name__}: {exc}); "
-            "delete it and rerun the step that writes it") from None
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    """Read a JSON file; a truncated or corrupt one raises an error naming the file."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UnreadableFileError(f"{path}: not readable JSON, truncated or corrupt ({exc}); "
-                                  "delete it and rerun the step that writes it") from None
-
-
-def write_json(obj: Any, target: str | os.PathLike) -> None:
-    with atomic_path(target) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-
-
-def write_text(text: str, target: str | os.PathLike) -> None:
-    with atomic_path(target) as tmp:
-        tmp.write_text(text)
-
-
-def remove_scratch(work_dir: str | os.PathLike) -> None:
-    """Drop a step's resumable scratch work once its outputs are written."""
-    shutil.rmtree(work_dir, ignore_errors=True)
-
-
-def keyed_scratch(work_dir: str | os.PathLike, key: str) -> Path:
-    """A step's scratch folder, keyed by what produced it: work left by a run with other settings (``key``: a
-    hash of everything that decides the content) is discarded, and the log says so, instead of being resumed."""
-    work_dir = Path(work_dir)
-    stamp = work_dir / ".key"
-    if work_dir.exists() and (not stamp.is_file() or stamp.read_text().strip() != key):
-        if any(p.name != ".key" for p in work_dir.iterdir()):
-            print(f"{work_dir}: discarding scratch work left by a run with other settings (key "
-                  f"{stamp.read_text().strip() if stamp.is_file() else 'none'}, now {key})", file=sys.stderr)
-        shutil.rmtree(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(key + "\n")
-    return work_dir
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def check_sha256(path: str | os.PathLike, expected: str, label: str | None = None) -> None:
-    """Fail with the file's name and both digests when a pinned file does not match. ``label``: what to call the
-    file instead, where it is a temporary the user never sees (a download, an extraction, an assembly)."""
-    actual = sha256_file(path)
-    if actual != expected:
-        raise ChecksumError(f"checksum mismatch for {label or path}: expected sha256 {expected}, got {actual}")
-
-
-class ChecksumError(RuntimeError):
-    """A file does not have the sha256 it is pinned to."""
-
-
-def stable_hash(obj: Any) -> str:
-    """A short hash of a JSON-able object, independent of key order."""
-    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def manifest_files(paths: list[str | os.PathLike]) -> list[Path]:
@@ -316,7 +165,6 @@ def install_mode() -> str:
 
 def provenance_record(config: dict, analysis_hash: str, repo_dir: str | os.PathLike, **extra: Any) -> dict:
     """What a reviewer needs to trust the numbers: code, settings, deviations, software, hardware, seeds."""
-    from replaynoise.config import deviations
 
     return {
         "git": git_commit(repo_dir),
@@ -330,3 +178,48 @@ def provenance_record(config: dict, analysis_hash: str, repo_dir: str | os.PathL
         "install_mode": install_mode(),
         **extra,
     }
+
+
+def _module_files(module: str, root: Path) -> list[Path]:
+    """The files importing ``module`` (dotted, under ``root``) executes: its own and its packages' __init__."""
+    parts, files = module.split("."), []
+    for i in range(1, len(parts) + 1):
+        base = root.joinpath(*parts[:i])
+        for candidate in (base / "__init__.py", base.with_suffix(".py")):
+            if candidate.is_file():
+                files.append(candidate)
+    return files
+
+
+def import_closure(script: str | os.PathLike, root: str | os.PathLike, package: str = "replaynoise") -> list[Path]:
+    """Every file of ``package`` that running ``script`` can import, directly or through other modules, found by
+    reading the imports (function bodies included: a lazy import is still code the step may run)."""
+    root = Path(root)
+    seen: set[Path] = set()
+    todo = [Path(script)]
+    while todo:
+        tree = ast.parse(todo.pop().read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            for name in names:
+                if name == package or name.startswith(package + "."):
+                    for path in _module_files(name, root):
+                        if path not in seen:
+                            seen.add(path)
+                            todo.append(path)
+    return sorted(seen)
+
+
+def source_digest(script: str | os.PathLike, root: str | os.PathLike) -> str:
+    """A digest of the library code a script runs (its import closure): editing any module in it, and no other,
+    changes the digest. Scripts themselves are tracked by Snakemake."""
+    digest = hashlib.sha256()
+    root = Path(root)
+    for path in import_closure(script, root):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+

@@ -32,7 +32,7 @@ from replaynoise import figures
 from replaynoise.analysis import compare_passes, headline_rows, verification_summary
 from replaynoise.config import load_schema
 from replaynoise.credit import CREDIT_COLUMNS, eligible_expr
-from replaynoise.provenance import sha256_file, stable_hash, write_json, write_text
+from replaynoise.io import sha256_file, stable_hash, write_json, write_text
 from replaynoise.stats import PROBE_SCHEMA
 from replaynoise.tables import render_table1, write_headline_tables
 

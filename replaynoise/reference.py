@@ -35,7 +35,7 @@ from replaynoise import figures
 from replaynoise.analysis import (
     POOLED_PROBE_REASON, compare_passes, comparison_settings, headline_rows, pool_credit)
 from replaynoise.config import analysis_hash
-from replaynoise.provenance import read_json, read_parquet, sha256_file, write_json
+from replaynoise.io import read_json, read_parquet, sha256_file, write_json
 from replaynoise.tables import write_headline_tables
 
 #: How far a rebuilt number may move from the committed one and still be the same result (last-bit drift of

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,30 +21,9 @@ from replaynoise.data import extract_answer, is_correct
 from replaynoise.engines.base import ContinuationRequest, Engine, SamplingSettings
 from replaynoise.seeds import derive_seed
 from replaynoise.progress import Phases, TokenProgress
-from replaynoise.provenance import keyed_scratch, write_parquet
+from replaynoise.io import keyed_scratch, write_parquet
+from replaynoise.passes import BRANCHES, PASSES
 from replaynoise.shards import batch_range
-
-BRANCHES = ("orig", "sub")
-
-
-@dataclass(frozen=True)
-class PassSpec:
-    """How a pass obtains its prefix state, and which noise stream its continuations use."""
-
-    source: str
-    noise: str
-    purpose: str
-
-
-PASSES: dict[str, PassSpec] = {
-    "exact": PassSpec("decode_kv", "crn", "ground truth: resume from the verified decode-time KV"),
-    "replica": PassSpec("decode_kv", "crn", "the same again, as an independent pass: the replica noise floor"),
-    "refeed": PassSpec("refeed_ids", "crn", "prefix token ids fed again as a fresh prompt"),
-    "refeed_text": PassSpec("refeed_text", "crn", "prefix decoded to text and re-tokenized, then prefilled"),
-    "selector": PassSpec("decode_kv", "selector", "exact with fresh seeds: decides informativeness independently"),
-    "replica_fresh": PassSpec("decode_kv", "fresh", "exact with fresh seeds: the Monte-Carlo floor"),
-}
-
 
 def continuation_seed(seed: int, config_name: str, pivot_id: str, branch: str, k: int, noise: str) -> int:
     """Common random numbers: the seed ignores the pass, so every 'crn' pass draws the same noise per row."""

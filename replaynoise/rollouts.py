@@ -20,7 +20,7 @@ from replaynoise.engines.base import Engine, Rollout, RolloutRequest, SamplingSe
 from replaynoise.seeds import derive_seed
 from replaynoise.pivots import PivotRules, rollout_pivots
 from replaynoise.progress import TokenProgress
-from replaynoise.provenance import keyed_scratch, write_parquet
+from replaynoise.io import keyed_scratch, write_parquet
 
 PROMPT_STYLES = ("chat", "plain")
 _LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

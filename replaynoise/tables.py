@@ -14,7 +14,7 @@ from typing import Any
 
 import polars as pl
 
-from replaynoise.provenance import write_text
+from replaynoise.io import write_text
 
 NA = "n/a"
 

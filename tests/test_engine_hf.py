@@ -20,7 +20,7 @@ from replaynoise.engines.base import (
 from replaynoise.engines.hf import HFEngine
 from replaynoise.engines.kvfiles import load_kv, save_kv
 from replaynoise.pivots import PivotRules, select_pivots
-from replaynoise.provenance import sha256_file
+from replaynoise.io import sha256_file
 
 pytestmark = pytest.mark.slow
 

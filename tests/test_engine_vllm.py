@@ -51,7 +51,7 @@ ROLLOUT_SCRIPT = textwrap.dedent("""
     from replaynoise.engines import make_engine
     from replaynoise.engines.base import SamplingSettings
     from replaynoise.pivots import PivotRules
-    from replaynoise.provenance import write_parquet
+    from replaynoise.io import write_parquet
 
     settings, out = json.loads(sys.argv[1]), Path(sys.argv[2])
     engine = make_engine(settings, Path(sys.argv[3]), topk=5, threads=1)

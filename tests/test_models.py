@@ -24,7 +24,7 @@ from replaynoise.models import (
     model_weights_dir,
     prepare_model,
 )
-from replaynoise.provenance import ChecksumError, sha256_file
+from replaynoise.io import ChecksumError, sha256_file
 
 pytestmark = pytest.mark.slow
 

@@ -19,20 +19,10 @@ import yaml
 
 from replaynoise import provenance
 from replaynoise.config import DEFAULT_CONFIG_PATH, analysis_hash, validate_config
-from replaynoise.provenance import (
-    ChecksumError,
-    atomic_path,
-    check_sha256,
-    manifest_files,
-    provenance_record,
-    sha256_file,
-    stable_hash,
-    verify_manifest,
-    write_json,
-    write_manifest,
-    write_parquet,
-    write_text,
+from replaynoise.io import (
+    ChecksumError, atomic_path, check_sha256, sha256_file, stable_hash, write_json, write_parquet, write_text,
 )
+from replaynoise.provenance import manifest_files, provenance_record, verify_manifest, write_manifest
 
 
 
@@ -88,7 +78,7 @@ def test_rewriting_a_target_removes_what_a_killed_writer_left(tmp_path):
     target = tmp_path / "out.txt"
     script = (
         "import sys, time\n"
-        "from replaynoise.provenance import atomic_path\n"
+        "from replaynoise.io import atomic_path\n"
         f"with atomic_path({str(target)!r}) as tmp:\n"
         "    tmp.write_text('half')\n"
         "    print(tmp, flush=True)\n"
@@ -342,7 +332,7 @@ def test_provenance_record(monkeypatch, git_repo):
 def test_read_parquet_names_a_truncated_or_missing_file(tmp_path):
     import polars as pl
 
-    from replaynoise.provenance import UnreadableFileError, read_parquet, write_parquet
+    from replaynoise.io import UnreadableFileError, read_parquet, write_parquet
 
     path = tmp_path / "frame.parquet"
     write_parquet(pl.DataFrame({"a": list(range(100))}), path)
@@ -355,7 +345,7 @@ def test_read_parquet_names_a_truncated_or_missing_file(tmp_path):
 
 
 def test_read_json_names_a_truncated_file(tmp_path):
-    from replaynoise.provenance import UnreadableFileError, read_json, write_json
+    from replaynoise.io import UnreadableFileError, read_json, write_json
 
     path = tmp_path / "x.json"
     write_json({"a": [1, 2]}, path)

@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from replaynoise.engines.base import VerificationError
-from replaynoise.provenance import atomic_path
+from replaynoise.io import atomic_path
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -37,7 +37,7 @@ from replaynoise.engines.base import (
     VerificationError,
 )
 from replaynoise.progress import Phases
-from replaynoise.provenance import sha256_file, write_json
+from replaynoise.io import sha256_file, write_json
 
 log = logging.getLogger(__name__)
 

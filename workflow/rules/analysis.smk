@@ -12,7 +12,7 @@ rule compare_passes:
             subcategory="{config}",
         ),
     params:
-        code=code_version("analysis", "stats", "credit", "provenance"),
+        code=code_version("compare_passes"),
         passes=RUN_PASSES,
         analysis=config["analysis"],
         seed=config["seed"],
@@ -33,7 +33,7 @@ rule compare_pooled:
     output:
         "results/analysis/pooled/comparison.json",
     params:
-        code=code_version("analysis", "stats", "credit", "provenance"),
+        code=code_version("compare_pooled"),
         analysis=config["analysis"],
         seed=config["seed"],
         configs=CONFIGS,
@@ -57,7 +57,7 @@ rule headline_tables:
         md="results/tables/headline.md",
         tex="results/tables/headline.tex",
     params:
-        code=code_version("analysis", "stats", "tables", "provenance"),
+        code=code_version("headline_tables"),
         configs=CONFIGS,
         analysis_hash=ANALYSIS_HASH,
     log:

@@ -10,8 +10,9 @@ from replaynoise.config import ConfigError, analysis_hash, check_config_file, va
 from replaynoise.data import check_n_problems  # noqa: E402
 from replaynoise.figures import FROM_COMPARISONS, FROM_CREDIT, plot_options  # noqa: E402
 from replaynoise.models import model_source_files, resolve_model_spec  # noqa: E402
-from replaynoise.provenance import stable_hash  # noqa: E402
-from replaynoise.replay import PASSES  # noqa: E402
+from replaynoise.io import stable_hash  # noqa: E402
+from replaynoise.passes import PASSES  # noqa: E402
+from replaynoise.provenance import source_digest  # noqa: E402
 from replaynoise.shards import shard_names  # noqa: E402
 from replaynoise.tables import run_summary  # noqa: E402
 
@@ -204,19 +205,12 @@ def manifest_inputs(wildcards=None):
     return files
 
 
-def code_version(*modules):
-    """A digest of the library modules a step runs, as a param: editing one reruns exactly the steps using it.
-
-    (Snakemake tracks a rule's script, not the modules the script imports.)
-    """
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name in modules:
-        base = Path(workflow.basedir) / "replaynoise" / name
-        for path in sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]:
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+def code_version(script):
+    """A digest of the library code ``workflow/scripts/<script>.py`` runs, as a param: editing a module reruns
+    exactly the steps whose scripts import it, directly or not (Snakemake tracks a rule's script, not what the
+    script imports). Read from the imports, so it cannot drift from them."""
+    root = Path(workflow.basedir)
+    return source_digest(root / "workflow" / "scripts" / f"{script}.py", root)
 
 
 def timed_jobs():

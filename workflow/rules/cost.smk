@@ -8,7 +8,7 @@ rule cost_report:
         csv="results/cost/cost.csv",
         md=report("results/cost/cost.md", caption="../report/cost.rst", category="Compute"),
     params:
-        code=code_version("cost", "provenance"),
+        code=code_version("cost_report"),
         jobs=timed_jobs(),
         prices=config["cost"],
     log:

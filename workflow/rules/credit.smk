@@ -6,7 +6,7 @@ rule compute_credit:
     output:
         "results/credit/{config}/{pass_name}.parquet",
     params:
-        code=code_version("credit"),
+        code=code_version("compute_credit"),
         k=config["replay"]["k"],
         eligibility=config["analysis"]["eligibility"],
     log:

@@ -5,7 +5,7 @@ rule sample_problems:
     output:
         "results/problems/{dataset}.parquet",
     params:
-        code=code_version("data", "provenance"),
+        code=code_version("sample_problems"),
         source=config["dataset"]["source"],
         path=config["dataset"]["path"],
         n=config["dataset"]["n_problems"],

@@ -10,7 +10,7 @@ for _fig in FIGURES_FROM_COMPARISONS:
         output:
             **figure_outputs(_fig),
         params:
-            code=code_version("figures", "analysis", "stats", "credit", "provenance"),
+            code=code_version("figure"),
             figure=_fig,
             configs=CONFIGS,
             options=plot_options(_fig, config),
@@ -33,7 +33,7 @@ for _fig in FIGURES_FROM_CREDIT:
         output:
             **figure_outputs(_fig),
         params:
-            code=code_version("figures", "analysis", "stats", "credit", "provenance"),
+            code=code_version("figure"),
             figure=_fig,
             configs=CONFIGS,
             passes=RUN_PASSES,
@@ -54,7 +54,7 @@ rule figure_channel_agreement:
     output:
         **figure_outputs("channel_agreement"),
     params:
-        code=code_version("figures", "analysis", "stats", "credit", "provenance"),
+        code=code_version("figure"),
         figure="channel_agreement",
         configs=CONFIGS,
         options=plot_options("channel_agreement", config),

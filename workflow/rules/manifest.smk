@@ -6,7 +6,7 @@ rule manifest:
         manifest="results/MANIFEST.sha256",
         provenance="results/provenance.json",
     params:
-        code=code_version("provenance", "config"),
+        code=code_version("manifest"),
         config=config,
         analysis_hash=ANALYSIS_HASH,
         repo=workflow.basedir,

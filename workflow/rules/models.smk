@@ -4,7 +4,7 @@ rule prepare_model:
     output:
         directory("results/models/{model_key}"),
     params:
-        code=code_version("models", "data", "provenance"),
+        code=code_version("prepare_model"),
         spec=lambda w: MODEL_KEYS[w.model_key]["model"],
         dtype=lambda w: MODEL_KEYS[w.model_key]["dtype"],
         cache=PACKAGE_DIR,

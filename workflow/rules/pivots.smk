@@ -5,7 +5,7 @@ rule select_pivots:
     output:
         "results/pivots/{config}.parquet",
     params:
-        code=code_version("pivots", "seeds"),
+        code=code_version("select_pivots"),
         pivots=config["pivots"],
         screen=config["rollouts"]["screen"],
         seed=config["seed"],

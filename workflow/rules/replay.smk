@@ -1,5 +1,5 @@
 # One rule per pass, each a separately cached step (method.md section 2). They differ only in the pass name,
-# which decides the prefix source and the noise stream (replaynoise.replay.PASSES). Each runs one job per
+# which decides the prefix source and the noise stream (replaynoise.passes.PASSES). Each runs one job per
 # shard, over an equal share of the pass's batches, gathered by gather_pass.
 for _pass in RUN_PASSES:
 
@@ -14,7 +14,7 @@ for _pass in RUN_PASSES:
         output:
             pass_shard_file("{config}", _pass, "{shard}"),
         params:
-            code=code_version("replay", "engines", "data", "seeds", "models", "provenance", "shards"),
+            code=code_version("replay_pass"),
             pass_name=_pass,
             settings=settings,
             seed=config["seed"],
@@ -44,7 +44,7 @@ rule gather_pass:
     output:
         pass_file("{config}", "{pass_name}"),
     params:
-        code=code_version("replay", "provenance"),
+        code=code_version("gather"),
     log:
         f"{LOGS}/gather_pass/{{config}}.{{pass_name}}.log",
     conda:

@@ -7,7 +7,7 @@ rule generate_rollouts:
         rollouts=rollout_shard_file("{config}", "{shard}"),
         kv=directory(kv_dir("{config}", "{shard}")),
     params:
-        code=code_version("rollouts", "engines", "pivots", "data", "seeds", "models", "provenance", "shards"),
+        code=code_version("generate_rollouts"),
         settings=settings,
         seed=config["seed"],
         prompt=config["prompt"],
@@ -38,7 +38,7 @@ rule gather_rollouts:
     output:
         "results/rollouts/{config}/rollouts.parquet",
     params:
-        code=code_version("rollouts", "provenance"),
+        code=code_version("gather"),
     log:
         f"{LOGS}/gather_rollouts/{{config}}.log",
     conda:
@@ -55,7 +55,7 @@ rule index_kv:
     output:
         kv_index_file("{config}"),
     params:
-        code=code_version("replay", "provenance"),
+        code=code_version("index_kv"),
     log:
         f"{LOGS}/index_kv/{{config}}.log",
     conda:

@@ -7,7 +7,7 @@ from replaynoise.logs import log_to  # noqa: E402
 log_to(snakemake.log[0])
 from replaynoise.analysis import POOLED_PROBE_REASON, compare_passes, comparison_settings, pool_credit  # noqa: E402
 from replaynoise.credit import read_credit_grid  # noqa: E402
-from replaynoise.provenance import write_json  # noqa: E402
+from replaynoise.io import write_json  # noqa: E402
 
 p = snakemake.params
 credits = read_credit_grid(list(snakemake.input.credit), p.configs, p.passes)

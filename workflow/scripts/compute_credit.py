@@ -6,7 +6,7 @@ from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
 from replaynoise.credit import compute_credit  # noqa: E402
-from replaynoise.provenance import read_parquet, write_parquet  # noqa: E402
+from replaynoise.io import read_parquet, write_parquet  # noqa: E402
 
 credit = compute_credit(read_parquet(snakemake.input.passes), read_parquet(snakemake.input.pivots),
                         snakemake.params.k, snakemake.wildcards.pass_name,

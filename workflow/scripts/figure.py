@@ -9,7 +9,7 @@ from replaynoise import figures  # noqa: E402
 from replaynoise.credit import read_credit_grid  # noqa: E402
 import polars as pl  # noqa: E402
 
-from replaynoise.provenance import read_json  # noqa: E402
+from replaynoise.io import read_json  # noqa: E402
 
 p, out = snakemake.params, snakemake.output
 plot = getattr(figures, f"plot_{p.figure}")

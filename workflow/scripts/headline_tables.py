@@ -6,7 +6,7 @@ from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
 from replaynoise.analysis import headline_rows  # noqa: E402
-from replaynoise.provenance import read_json  # noqa: E402
+from replaynoise.io import read_json  # noqa: E402
 from replaynoise.tables import write_headline_tables  # noqa: E402
 
 results = {c: read_json(f) for c, f in zip(snakemake.params.configs, snakemake.input.configs)}

@@ -1,0 +1,165 @@
+"""Files: atomic writes, readers that name a bad file, checksums, stable hashing and resumable scratch.
+
+Every output is written to a temporary file beside its target and renamed into place, so an interrupted
+step never leaves a file that a rerun would mistake for finished work. The bottom of the package: it imports
+nothing of replaynoise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on a folder (flock on the folder itself: no lock file is left behind), so that
+    two jobs producing one shared file (a model both dtypes of a configuration need) take turns: the second
+    waits, then finds the first's verified file. Locks of different folders are independent."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``target``; rename it onto ``target`` only if the block succeeds."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        if tmp_path.exists():
+            os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are meant to be shared
+        os.replace(tmp_path, target)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def remove_stale_temporaries(target: Path) -> None:
+    """Delete temporary files a killed writer of ``target`` left behind.
+
+    SIGKILL skips the ``finally`` below, so a killed step can leave ``.NAME.XXXXXXXX.tmp`` beside its target.
+    Snakemake never runs two jobs with the same output, so when the target is written again any such file
+    is an orphan, and removing it keeps ``results/`` free of debris that would outlive the rerun.
+    """
+    pattern = re.compile(re.escape(f".{target.name}.") + r"[A-Za-z0-9_]{8}\.tmp")
+    for sibling in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        if pattern.fullmatch(sibling.name):
+            with contextlib.suppress(FileNotFoundError):
+                sibling.unlink()
+
+
+def write_parquet(df: pl.DataFrame, target: str | os.PathLike) -> None:
+    """Write a parquet file atomically. Statistics are off so equal frames give equal bytes."""
+    with atomic_path(target) as tmp:
+        df.write_parquet(tmp, statistics=False, compression="zstd")
+
+
+class UnreadableFileError(RuntimeError):
+    """An input file exists but cannot be read (truncated, corrupt); the message names it."""
+
+
+def read_parquet(path: str | os.PathLike, **kwargs: Any) -> pl.DataFrame:
+    """Read a parquet file; a truncated or corrupt one raises an error naming the file, not a bare decoder error."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        return pl.read_parquet(path, **kwargs)
+    except (pl.exceptions.PolarsError, OSError) as exc:
+        raise UnreadableFileError(
+            f"{path}: not a readable parquet file, truncated or corrupt ({type(exc).__name__}: {exc}); "
+            "delete it and rerun the step that writes it") from None
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file; a truncated or corrupt one raises an error naming the file."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UnreadableFileError(f"{path}: not readable JSON, truncated or corrupt ({exc}); "
+                                  "delete it and rerun the step that writes it") from None
+
+
+def write_json(obj: Any, target: str | os.PathLike) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def write_text(text: str, target: str | os.PathLike) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_text(text)
+
+
+def remove_scratch(work_dir: str | os.PathLike) -> None:
+    """Drop a step's resumable scratch work once its outputs are written."""
+    shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def keyed_scratch(work_dir: str | os.PathLike, key: str) -> Path:
+    """A step's scratch folder, keyed by what produced it: work left by a run with other settings (``key``: a
+    hash of everything that decides the content) is discarded, and the log says so, instead of being resumed."""
+    work_dir = Path(work_dir)
+    stamp = work_dir / ".key"
+    if work_dir.exists() and (not stamp.is_file() or stamp.read_text().strip() != key):
+        if any(p.name != ".key" for p in work_dir.iterdir()):
+            print(f"{work_dir}: discarding scratch work left by a run with other settings (key "
+                  f"{stamp.read_text().strip() if stamp.is_file() else 'none'}, now {key})", file=sys.stderr)
+        shutil.rmtree(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(key + "\n")
+    return work_dir
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_sha256(path: str | os.PathLike, expected: str, label: str | None = None) -> None:
+    """Fail with the file's name and both digests when a pinned file does not match. ``label``: what to call the
+    file instead, where it is a temporary the user never sees (a download, an extraction, an assembly)."""
+    actual = sha256_file(path)
+    if actual != expected:
+        raise ChecksumError(f"checksum mismatch for {label or path}: expected sha256 {expected}, got {actual}")
+
+
+class ChecksumError(RuntimeError):
+    """A file does not have the sha256 it is pinned to."""
+
+
+def stable_hash(obj: Any) -> str:
+    """A short hash of a JSON-able object, independent of key order."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

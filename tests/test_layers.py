@@ -1,0 +1,87 @@
+"""The package's layer order, read from its imports: a module imports only modules below it, never inside a
+function (where a cycle hides), and a step's code version is the import closure of its script."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from replaynoise.provenance import import_closure, source_digest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "replaynoise"
+#: Bottom to top. A module may import only modules of earlier layers (or of its own package's base).
+LAYERS = [
+    ["io", "logs", "progress", "seeds", "shards", "passes", "stats"],
+    ["data", "pivots", "credit", "cost", "engines.sampling", "engines.base"],
+    ["models", "engines.kvfiles", "engines.fast", "engines.vllm"],
+    ["engines.hf", "config", "rollouts", "replay", "analysis"],
+    ["engines", "tables", "figures", "provenance"],
+    ["reference", "reanalyze"],
+]
+#: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when
+#: chosen, so that importing the engine interface (the passes, the analysis) never loads torch or vLLM.
+LAZY = {("engines", "engines.hf"), ("engines", "engines.vllm"), ("engines", "models")}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def internal_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(module-level, function-level) replaynoise modules imported by ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top, inner = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("replaynoise"):
+            names = [node.module] if node.module != "replaynoise" else [f"replaynoise.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("replaynoise")]
+        else:
+            continue
+        at_top = node in tree.body or any(node in getattr(n, "body", ()) for n in tree.body if isinstance(n, ast.If))
+        for name in names:
+            (top if at_top else inner).add(name.removeprefix("replaynoise").lstrip(".") or "__init__")
+    return top, inner
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if module_name(p)}
+
+
+def test_every_module_has_a_layer():
+    placed = [m for layer in LAYERS for m in layer]
+    assert sorted(placed) == sorted(MODULES), set(placed) ^ set(MODULES)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_a_module_imports_only_lower_layers_and_only_at_the_top(module):
+    rank = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+    top, inner = internal_imports(MODULES[module])
+    for name in top | inner:
+        if name == "engines" and module.startswith("engines."):
+            continue  # a submodule's import runs its package's __init__, which imports nothing at module level
+        assert rank[name] < rank[module], f"{module} (layer {rank[module]}) imports {name} (layer {rank[name]})"
+    assert {(module, name) for name in inner} <= LAZY, f"{module} imports {sorted(inner)} inside a function"
+
+
+def test_the_bottom_module_imports_nothing_of_the_package():
+    assert internal_imports(MODULES["io"]) == (set(), set())
+
+
+def test_a_step_s_code_version_follows_its_script_s_imports(tmp_path):
+    (tmp_path / "replaynoise").mkdir()
+    (tmp_path / "replaynoise" / "__init__.py").write_text("")
+    (tmp_path / "replaynoise" / "low.py").write_text("X = 1\n")
+    (tmp_path / "replaynoise" / "high.py").write_text("from replaynoise.low import X\n")
+    (tmp_path / "replaynoise" / "other.py").write_text("Y = 2\n")
+    script = tmp_path / "step.py"
+    script.write_text("import sys\nfrom replaynoise import high\n")
+    assert [p.name for p in import_closure(script, tmp_path)] == ["__init__.py", "high.py", "low.py"]
+    before = source_digest(script, tmp_path)
+    (tmp_path / "replaynoise" / "other.py").write_text("Y = 3\n")
+    assert source_digest(script, tmp_path) == before  # not imported: no rerun
+    (tmp_path / "replaynoise" / "low.py").write_text("X = 2\n")
+    assert source_digest(script, tmp_path) != before  # imported through high: rerun
