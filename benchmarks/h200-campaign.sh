@@ -11,6 +11,10 @@ base=${WORK:-$PWD/benchmarks/out}
 end=$((SECONDS + limit))
 for cfg in "$@"; do
     name=$(basename "$cfg" .yaml)
+    # gpu/<name>.yaml runs in $WORK/<name> (reference/gpu/<name>); any other folder's file in $WORK/<folder>-<name>,
+    # so that gpu/smollm2.yaml and gpu-vllm/smollm2.yaml never share a working directory (they once did)
+    folder=$(basename "$(dirname "$cfg")")
+    [ "$folder" = gpu ] || name="$folder-$name"
     export WORK=$base/$name
     mkdir -p "$WORK"
     [ -e "$base/resources" ] && ln -sfn "$base/resources" "$WORK/resources"

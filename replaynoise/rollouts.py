@@ -15,7 +15,7 @@ from pathlib import Path
 
 import polars as pl
 
-from replaynoise.data import extract_answer, is_correct
+from replaynoise.grading import extract_answer, is_correct
 from replaynoise.engines.base import Engine, Rollout, RolloutRequest, SamplingSettings
 from replaynoise.seeds import derive_seed
 from replaynoise.pivots import PivotRules, rollout_pivots

