@@ -17,7 +17,8 @@ import polars as pl
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from replaynoise.analysis import compare_passes, comparison_settings, headline_rows  # noqa: E402
+from replaynoise.analysis import compare_passes, comparison_settings  # noqa: E402
+from replaynoise.tables import headline_rows  # noqa: E402
 from replaynoise.config import analysis_hash, validate_config  # noqa: E402
 from replaynoise.credit import read_credit_grid  # noqa: E402
 from replaynoise.tables import render_markdown  # noqa: E402

@@ -29,7 +29,8 @@ from typing import Any
 import polars as pl
 
 from replaynoise import figures
-from replaynoise.analysis import compare_passes, headline_rows, verification_summary
+from replaynoise.analysis import compare_passes, verification_summary
+from replaynoise.tables import headline_rows
 from replaynoise.config import load_schema
 from replaynoise.credit import CREDIT_COLUMNS, eligible_expr
 from replaynoise.io import sha256_file, stable_hash, write_json, write_text

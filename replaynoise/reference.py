@@ -32,8 +32,8 @@ from pathlib import Path
 import polars as pl
 
 from replaynoise import figures
-from replaynoise.analysis import (
-    POOLED_PROBE_REASON, compare_passes, comparison_settings, headline_rows, pool_credit)
+from replaynoise.analysis import POOLED_PROBE_REASON, compare_passes, comparison_settings, pool_credit
+from replaynoise.tables import headline_rows
 from replaynoise.config import analysis_hash
 from replaynoise.io import read_json, read_parquet, sha256_file, write_json
 from replaynoise.tables import write_headline_tables

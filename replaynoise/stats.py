@@ -11,14 +11,21 @@ This module sits below analysis.py: it imports nothing of the package.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import polars as pl
+import statsmodels.api as sm
 from scipy import stats as sps
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.weightstats import DescrStatsW
+
+#: Tolerance of the |Â| >= θ test; Â and lattice thresholds are exact, a user θ like 0.5 may not be.
+THETA_EPS = 1e-9
+#: Below this a cluster-robust SE is treated as exactly zero (it only arises from exact cancellation).
+SE_ZERO = 1e-12
 
 #: Disagreement metrics: the paper's (pre-registered) sign metric first, then ours.
 METRICS = ("sign", "value")
@@ -271,3 +278,151 @@ def probe_summary(deltas: pl.DataFrame | None, passes: list[str], reason: str | 
             "divergence_share": json_number(div.mean()) if div.size else None,
         }
     return out
+
+
+# ------------------------------------------------------------------------------------- cluster bootstrap
+
+@dataclass
+class Clusters:
+    """Problem clusters of a pivot set and the bootstrap resampling counts over them.
+
+    Every statistic here is a ratio of sums over pivots, so a bootstrap replicate is
+    (counts @ per-problem numerator sums) / (counts @ per-problem denominator sums): one count matrix serves
+    all statistics of a block and keeps them on the same resamples.
+    """
+
+    codes: np.ndarray
+    n_groups: int
+    n_boot: int
+    seed: int
+    _counts: np.ndarray | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_ids(cls, problem_ids: Sequence[str], n_boot: int, seed: int) -> Clusters:
+        labels = sorted(set(problem_ids))
+        index = {p: i for i, p in enumerate(labels)}
+        codes = np.fromiter((index[p] for p in problem_ids), dtype=np.int64, count=len(problem_ids))
+        return cls(codes=codes, n_groups=len(labels), n_boot=n_boot, seed=seed)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """(n_boot, G) multiplicities of each problem in each resample, fixed by the seed."""
+        if self._counts is None:
+            g, b = self.n_groups, self.n_boot
+            rng = np.random.default_rng(self.seed)
+            draws = rng.integers(0, g, size=(b, g)) + (np.arange(b) * g)[:, None]
+            self._counts = np.bincount(draws.ravel(), minlength=b * g).reshape(b, g).astype(np.float64)
+        return self._counts
+
+    def group_sums(self, values: np.ndarray) -> np.ndarray:
+        return np.bincount(self.codes, weights=np.asarray(values, dtype=np.float64), minlength=self.n_groups)
+
+    def replicates(self, num: np.ndarray, den: np.ndarray) -> np.ndarray:
+        """Bootstrap replicates of sum(num)/sum(den); NaN where a resample has a zero denominator."""
+        top = self.counts @ self.group_sums(num)
+        bottom = self.counts @ self.group_sums(den)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(bottom > 0, top / np.where(bottom > 0, bottom, 1.0), np.nan)
+
+
+def ratio_stat(num: np.ndarray, den: np.ndarray, clusters: Clusters, ci: float, scale: float = 1.0) -> dict:
+    """sum(num)/sum(den) (times ``scale``) with a percentile cluster-bootstrap CI."""
+    num = np.asarray(num, dtype=np.float64)
+    den = np.asarray(den, dtype=np.float64)
+    out: dict[str, Any] = {"estimate": None, "ci_lo": None, "ci_hi": None}
+    if den.sum() <= 0:
+        out["reason"] = "empty denominator"
+        return out
+    out["estimate"] = json_number(scale * num.sum() / den.sum())
+    if clusters.n_groups < 2 or clusters.n_boot < 1:
+        out["ci_reason"] = "fewer than 2 problems: no bootstrap interval"
+        return out
+    reps = clusters.replicates(num, den)
+    valid = reps[np.isfinite(reps)]
+    if valid.size < clusters.n_boot:
+        out["n_boot_valid"] = int(valid.size)
+    if valid.size == 0:
+        out["ci_reason"] = "no bootstrap resample had a defined value"
+        return out
+    alpha = 1.0 - ci
+    lo, hi = np.quantile(valid, [alpha / 2, 1 - alpha / 2])
+    out["ci_lo"], out["ci_hi"] = json_number(scale * lo), json_number(scale * hi)
+    return out
+
+
+# ------------------------------------------------------------------------------- clustered OLS on a constant
+
+def cluster_ols_mean(y: np.ndarray, groups: np.ndarray, ci: float = 0.95) -> dict:
+    """Mean of ``y`` by OLS on a constant with cluster-robust SE (statsmodels, t with G-1 df).
+
+    statsmodels applies the small-sample factor G/(G-1) * (N-1)/(N-k); with a constant only (k=1) that is
+    G/(G-1). A zero SE (all values equal, or exact cancellation) leaves t and p undefined: reported as None.
+    """
+    y = np.asarray(y, dtype=np.float64)
+    groups = np.asarray(groups)
+    n = int(y.size)
+    n_clusters = int(np.unique(groups).size) if n else 0
+    out: dict[str, Any] = {"coef": None, "se": None, "t": None, "p": None, "ci_lo": None, "ci_hi": None,
+                           "df": None, "n": n, "n_clusters": n_clusters}
+    if n == 0:
+        out["reason"] = "no observations"
+        return out
+    out["coef"] = json_number(y.mean())
+    if n_clusters < 2:
+        out["reason"] = "fewer than 2 clusters: cluster-robust SE undefined"
+        return out
+    if np.all(y == y[0]):
+        out.update(se=0.0, df=n_clusters - 1, reason="all values equal: SE is 0, t undefined")
+        return out
+    codes = np.unique(groups, return_inverse=True)[1]
+    res = sm.OLS(y, np.ones((n, 1))).fit(cov_type="cluster", cov_kwds={"groups": codes}, use_t=True)
+    se = float(res.bse[0])
+    out["df"] = n_clusters - 1
+    if se < SE_ZERO:
+        out.update(se=0.0, reason="cluster sums of residuals cancel exactly: SE is 0, t undefined")
+        return out
+    lo, hi = res.conf_int(alpha=1.0 - ci)[0]
+    out.update(coef=json_number(res.params[0]), se=json_number(se), t=json_number(res.tvalues[0]), p=json_number(res.pvalues[0]),
+               ci_lo=json_number(lo), ci_hi=json_number(hi))
+    return out
+
+
+# -------------------------------------------------------------------------------------------- selection
+
+def jaccard(s_a: np.ndarray, s_b: np.ndarray) -> float | None:
+    """|A ∩ B| / |A ∪ B| of two membership masks; None for two empty sets (overlap undefined)."""
+    s_a = np.asarray(s_a, dtype=bool)
+    s_b = np.asarray(s_b, dtype=bool)
+    union = int((s_a | s_b).sum())
+    return None if union == 0 else int((s_a & s_b).sum()) / union
+
+
+def critical_set(a_hat: np.ndarray, theta: float) -> np.ndarray:
+    """S = {pivots with |Â| >= θ}: the tokens a critical-token method would select."""
+    return np.abs(np.asarray(a_hat, dtype=np.float64)) >= theta - THETA_EPS
+
+
+def _jaccard_stat(s_a: np.ndarray, s_b: np.ndarray, clusters: Clusters, ci: float) -> dict:
+    inter = (s_a & s_b).astype(np.float64)
+    union = (s_a | s_b).astype(np.float64)
+    if union.sum() == 0:
+        return {"estimate": None, "ci_lo": None, "ci_hi": None, "reason": "empty sets"}
+    return ratio_stat(inter, union, clusters, ci)
+
+
+def selection_at(a: dict[str, np.ndarray], theta: float, clusters: Clusters, ci: float) -> dict:
+    """Jaccard of the re-feed selection with the exact one, against the replica ceiling, at one θ."""
+    s = {name: critical_set(v, theta) for name, v in a.items()}
+    return {
+        "theta": float(theta),
+        "size_exact": int(s["exact"].sum()),
+        "size_refeed": int(s["refeed"].sum()),
+        "size_replica": int(s["replica"].sum()),
+        "jaccard_refeed": _jaccard_stat(s["exact"], s["refeed"], clusters, ci),
+        "jaccard_replica_ceiling": _jaccard_stat(s["exact"], s["replica"], clusters, ci),
+    }
+
+
+def lattice_thetas(ks: Sequence[int]) -> list[float]:
+    """The lattice thresholds j/K, j = 1..K, over every K present (as computed for Â, so comparisons are exact)."""
+    return sorted({j / k for k in set(ks) for j in range(1, k + 1)})

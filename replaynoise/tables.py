@@ -9,12 +9,14 @@ definitions (sign metric; main or treatment-independent conditioning), where the
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import polars as pl
 
+from replaynoise.analysis import CONDITIONINGS
 from replaynoise.io import write_text
+from replaynoise.stats import check_metric
 
 NA = "n/a"
 
@@ -208,7 +210,7 @@ def render_csv(df: pl.DataFrame, analysis_hash: str) -> str:
 
 def write_headline_tables(df: pl.DataFrame, analysis_hash: str, out_csv: str | os.PathLike,
                           out_md: str | os.PathLike, out_tex: str | os.PathLike) -> None:
-    """Write the headline frame (``analysis.headline_rows``) as CSV, Markdown and LaTeX, atomically."""
+    """Write the headline frame (``headline_rows``) as CSV, Markdown and LaTeX, atomically."""
     write_text(render_csv(df, analysis_hash), out_csv)
     write_text(render_markdown(df, analysis_hash), out_md)
     write_text(render_latex(df, analysis_hash), out_tex)
@@ -295,3 +297,83 @@ def run_summary(headline_csv: str | os.PathLike, conditioning: str = "main") -> 
     lines = [f"Re-feed against the replica floor ({conditioning} conditioning, {metrics} metric; "
              f"{headline_csv}):"]
     return "\n".join(lines + _aligned(cells, indent="  ") + notes) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- headline
+
+HEADLINE_SCHEMA = {
+    "config": pl.String, "conditioning": pl.String, "metric": pl.String, "n": pl.Int64, "n_problems": pl.Int64,
+    "floor": pl.Float64, "floor_ci_lo": pl.Float64, "floor_ci_hi": pl.Float64, "floor_polarity_share": pl.Float64,
+    "refeed_disagreement": pl.Float64, "refeed_disagreement_ci_lo": pl.Float64,
+    "refeed_disagreement_ci_hi": pl.Float64, "refeed_polarity_share": pl.Float64,
+    "excess_pp": pl.Float64, "excess_pp_ci_lo": pl.Float64, "excess_pp_ci_hi": pl.Float64,
+    "t_per_problem": pl.Float64, "df_per_problem": pl.Int64, "p_per_problem": pl.Float64,
+    "problems_refeed_worse": pl.Int64, "problems_floor_worse": pl.Int64, "problems_equal": pl.Int64,
+    "t": pl.Float64, "p": pl.Float64, "n_clusters": pl.Int64,
+    "mcnemar_z": pl.Float64, "mcnemar_p": pl.Float64,
+    "ti_excess_pp": pl.Float64,
+    "jaccard_refeed": pl.Float64, "jaccard_refeed_ci_lo": pl.Float64, "jaccard_refeed_ci_hi": pl.Float64,
+    "jaccard_replica_ceiling": pl.Float64, "jaccard_replica_ceiling_ci_lo": pl.Float64,
+    "jaccard_replica_ceiling_ci_hi": pl.Float64,
+    "share_zero_crossing": pl.Float64, "share_reversal": pl.Float64, "share_magnitude": pl.Float64,
+    "mean_diff": pl.Float64, "mean_diff_ci_lo": pl.Float64, "mean_diff_ci_hi": pl.Float64,
+    "note": pl.String,
+}
+
+
+def _get(obj: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def _headline_row(config: str, cond: str, block: dict, metric: str, ti_excess: float | None) -> dict:
+    """One table row: ``t`` is our OLS cluster-robust t, ``t_per_problem`` the paper's; ``ti_excess_pp`` is the
+    configuration's treatment-independent excess (the same on each of its rows, as Table 1 sets it beside)."""
+    row: dict[str, Any] = {c: None for c in HEADLINE_SCHEMA}
+    row.update(config=config, conditioning=cond, metric=metric, ti_excess_pp=ti_excess)
+    if not block.get("available", False):
+        row["note"] = block.get("reason")
+        return row
+    stats = block["by_metric"][metric]
+    dis = stats["disagreement"]
+    sel = block["selection"]["at_theta"]
+    kinds = stats["kinds_of_change"]
+    mean = block["mean_diff"]["cluster"]
+    ppt, ols = stats["per_problem_t"], stats["clustered_t"]
+    for prefix, stat in (("floor", dis["exact_vs_replica"]), ("refeed_disagreement", dis["exact_vs_refeed"]),
+                         ("excess_pp", stats["excess_pp"]), ("jaccard_refeed", sel["jaccard_refeed"]),
+                         ("jaccard_replica_ceiling", sel["jaccard_replica_ceiling"])):
+        row[prefix], row[f"{prefix}_ci_lo"], row[f"{prefix}_ci_hi"] = (
+            stat["estimate"], stat["ci_lo"], stat["ci_hi"])
+    row.update(
+        n=block["n"], n_problems=block["n_problems"],
+        floor_polarity_share=_get(kinds, "exact_vs_replica", "reversal", "share_of_n"),
+        refeed_polarity_share=_get(kinds, "exact_vs_refeed", "reversal", "share_of_n"),
+        t_per_problem=ppt["t"], df_per_problem=ppt["df"], p_per_problem=ppt["p"],
+        problems_refeed_worse=ppt["problems_refeed_worse"], problems_floor_worse=ppt["problems_floor_worse"],
+        problems_equal=ppt["problems_equal"],
+        t=ols["t"], p=ols["p"], n_clusters=ols["n_clusters"],
+        mcnemar_z=stats["mcnemar"]["z"], mcnemar_p=stats["mcnemar"]["p_exact"],
+        share_zero_crossing=_get(kinds, "exact_vs_refeed", "zero_crossing", "share"),
+        share_reversal=_get(kinds, "exact_vs_refeed", "reversal", "share"),
+        share_magnitude=_get(kinds, "exact_vs_refeed", "magnitude", "share"),
+        mean_diff=mean["coef"], mean_diff_ci_lo=mean["ci_lo"], mean_diff_ci_hi=mean["ci_hi"],
+        note=block.get("note") or ols.get("reason"),
+    )
+    return row
+
+
+def headline_rows(results: Mapping[str, dict], metric: str | None = None) -> pl.DataFrame:
+    """Flatten compare_passes outputs (config -> result, the pooled one under its own key, e.g. 'pooled').
+
+    Rows show ``metric`` (default: each result's own headline metric) and say so in their ``metric`` column.
+    """
+    rows = []
+    for cfg, res in results.items():
+        m = check_metric(metric or res.get("metric", "sign"))
+        ti = _get(res["conditionings"].get("treatment_independent"), "by_metric", m, "excess_pp", "estimate")
+        rows += [_headline_row(cfg, cond, res["conditionings"][cond], m, ti) for cond in CONDITIONINGS]
+    return pl.DataFrame(rows, schema=HEADLINE_SCHEMA)

@@ -9,11 +9,10 @@ import polars as pl
 import pytest
 from scipy import stats
 
-from replaynoise.analysis import (
-    CONDITIONINGS, Clusters, assert_all_identical, channel_agreement, classify_changes, cluster_ols_mean,
-    compare_passes, headline_rows, jaccard, lattice_thetas, lists_bitwise_equal, pool_credit, selection_at,
-    too_few_note, wide_frame,
-)
+from replaynoise.analysis import CONDITIONINGS, compare_passes, pool_credit, too_few_note, wide_frame
+from replaynoise.channels import assert_all_identical, channel_agreement, lists_bitwise_equal
+from replaynoise.stats import Clusters, classify_changes, cluster_ols_mean, jaccard, lattice_thetas, selection_at
+from replaynoise.tables import headline_rows
 from replaynoise.credit import CREDIT_COLUMNS, compute_credit
 from replaynoise.stats import (
     disagree, eligibility_sources, margin_split, mcnemar_z, mean_zero_unclustered, per_problem_t, probe_deltas,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replaynoise import replay, rollouts
-from replaynoise.analysis import assert_all_identical, channel_agreement
+from replaynoise.channels import assert_all_identical, channel_agreement
 from replaynoise.credit import compute_credit
 from replaynoise.datasets import load_problems, sample_problems
 from replaynoise.engines import make_engine

@@ -9,7 +9,8 @@ import polars as pl
 import pytest
 
 from replaynoise import figures
-from replaynoise.analysis import CONDITIONINGS, HEADLINE_SCHEMA, compare_passes, headline_rows
+from replaynoise.analysis import CONDITIONINGS, compare_passes
+from replaynoise.tables import HEADLINE_SCHEMA, headline_rows
 from replaynoise.credit import CREDIT_COLUMNS
 from replaynoise.tables import (
     PAPER_RANGES,

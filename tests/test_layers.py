@@ -15,7 +15,7 @@ PACKAGE = REPO / "replaynoise"
 #: Bottom to top. A module may import only modules of earlier layers (or of its own package's base).
 LAYERS = [
     ["io", "logs", "progress", "seeds", "shards", "passes", "stats"],
-    ["packages", "grading", "pivots", "credit", "cost", "engines.sampling", "engines.base"],
+    ["packages", "grading", "pivots", "credit", "cost", "channels", "engines.sampling", "engines.base"],
     ["datasets"],
     ["models", "engines.kvfiles", "engines.fast", "engines.vllm"],
     ["engines.hf", "config", "rollouts", "replay", "analysis"],

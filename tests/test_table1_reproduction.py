@@ -15,7 +15,7 @@ import polars as pl
 import pytest
 
 from replaynoise import reanalyze
-from replaynoise.analysis import headline_rows
+from replaynoise.tables import headline_rows
 
 DATA = Path(__file__).resolve().parent / "data" / "paper-records"
 

@@ -5,8 +5,8 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parents[1]))
 from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
-from replaynoise.analysis import (  # noqa: E402
-    assert_all_identical, cache_summary, channel_agreement, compare_passes, comparison_settings, verification_summary)
+from replaynoise.analysis import cache_summary, compare_passes, comparison_settings, verification_summary  # noqa: E402
+from replaynoise.channels import assert_all_identical, channel_agreement  # noqa: E402
 from replaynoise.io import read_parquet, write_json, write_text  # noqa: E402
 from replaynoise.stats import probe_deltas  # noqa: E402
 

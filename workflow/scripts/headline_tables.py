@@ -5,7 +5,7 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parents[1]))
 from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
-from replaynoise.analysis import headline_rows  # noqa: E402
+from replaynoise.tables import headline_rows  # noqa: E402
 from replaynoise.io import read_json  # noqa: E402
 from replaynoise.tables import write_headline_tables  # noqa: E402
 
