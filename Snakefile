@@ -18,6 +18,7 @@ include: "workflow/rules/replay.smk"
 include: "workflow/rules/credit.smk"
 include: "workflow/rules/analysis.smk"
 include: "workflow/rules/figures.smk"
+include: "workflow/rules/controls.smk"
 include: "workflow/rules/manifest.smk"
 include: "workflow/rules/cost.smk"
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 import polars as pl
 
-from replaynoise.passes import PASSES
+from replaynoise.passes import pass_spec
 
 # ---------------------------------------------------------------------------------------- channel checks
 
@@ -129,13 +129,23 @@ def channel_agreement(passes: Mapping[str, pl.DataFrame], credit: Mapping[str, p
     return pl.DataFrame(rows, schema=schema)
 
 
-def same_noise(agreement_df: pl.DataFrame) -> pl.DataFrame:
-    """The pairs of passes that draw the same sampling noise (exact, replica, refeed: common random numbers).
+def _numerics(name: str) -> tuple | None:
+    """What a pass's numbers may differ by under batch-invariant kernels: its noise stream and the precision of
+    its continuation; None for a pass whose prefix is computed at another precision (it differs by design)."""
+    source = pass_spec(name).source
+    return None if source.prefix_dtype else (pass_spec(name).noise, source.continuation_dtype)
 
-    selector and replica_fresh use other seeds by design, so even batch-invariant kernels give other tokens there.
+
+def same_noise(agreement_df: pl.DataFrame) -> pl.DataFrame:
+    """The pairs of passes that draw the same sampling noise (exact, replica, refeed: common random numbers) at
+    the same precision.
+
+    selector and replica_fresh use other seeds by design, so even batch-invariant kernels give other tokens there;
+    a precision arm computes its prefix or its continuation at another precision than the passes it is set against.
+    Transplants are compared: under invariant kernels the caches they swap are equal, so they must be too.
     """
-    noise = {name: spec.noise for name, spec in PASSES.items()}
-    keep = [noise.get(a) == noise.get(b) for a, b in zip(agreement_df["pass_a"], agreement_df["pass_b"])]
+    keep = [_numerics(a) is not None and _numerics(a) == _numerics(b)
+            for a, b in zip(agreement_df["pass_a"], agreement_df["pass_b"])]
     return agreement_df.filter(pl.Series(keep, dtype=pl.Boolean))
 
 

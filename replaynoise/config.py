@@ -14,6 +14,7 @@ import yaml
 
 from replaynoise.io import stable_hash
 from replaynoise.models import check_local_model_dir, context_length, resolve_model_spec
+from replaynoise.passes import pass_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
@@ -58,6 +59,8 @@ def _describe(error: jsonschema.ValidationError) -> str:
     schema = error.schema if isinstance(error.schema, dict) else {}
     if error.validator == "enum":
         return f"{error.instance!r} is not allowed; allowed values: {', '.join(map(str, schema['enum']))}"
+    if error.validator == "pattern" and "x-allowed" in schema:  # a family of names: say which, not the regex
+        return f"{error.instance!r} is not allowed; allowed values: {schema['x-allowed']}"
     if error.validator == "additionalProperties":
         allowed = ", ".join(sorted(schema.get("properties", {})))
         return f"{error.message}; allowed keys: {allowed}"
@@ -188,13 +191,31 @@ def _check_semantics(config: dict) -> None:
                 f"config keys configs.{name}.max_new_tokens + replay.max_new_tokens: {settings['max_new_tokens']} "
                 f"rollout tokens plus {config['replay']['max_new_tokens']} continuation tokens reach {budget}, "
                 f"beyond the {context} positions {settings['model']} attends over (with the prompt)")
-        _check_engine(name, settings)
+        _check_engine(name, settings, config["replay"]["passes"])
+    _check_passes(config["replay"]["passes"])
 
 
-def _check_engine(name: str, settings: dict) -> None:
+def _check_passes(passes: list[str]) -> None:
+    """Each pass a precision arm is compared with must run too (its row of the table needs both)."""
+    for name in passes:
+        try:
+            spec = pass_spec(name)
+        except ValueError as exc:
+            raise ConfigError(f"config key replay.passes: {exc}") from None
+        if spec.precision is not None and spec.precision[1] not in passes:
+            raise ConfigError(f"config key replay.passes: {name!r} is compared with {spec.precision[1]!r}, "
+                              f"which is not listed; add it")
+
+
+def _check_engine(name: str, settings: dict, passes: list[str]) -> None:
     """Engine/platform combinations that can be refused from the configuration alone (parse time)."""
     if settings["engine"] != "vllm":
         return
+    controls = [p for p in passes if not _plain(p)]
+    if controls:
+        raise ConfigError(f"config key configs.{name}.engine: vllm keeps its KV inside vLLM, so it cannot run "
+                          f"the transplant and precision passes {controls} of replay.passes; use engine: hf for "
+                          "this configuration, or drop those passes")
     if settings["device"] == "cpu" and settings["block_size"] % 32:
         raise ConfigError(f"config key configs.{name}.block_size: {settings['block_size']} is not a multiple of "
                           "32, which vLLM's CPU attention backend needs")
@@ -202,6 +223,13 @@ def _check_engine(name: str, settings: dict) -> None:
         raise ConfigError(f"config key configs.{name}.kernels: 'invariant' with engine vllm needs an NVIDIA GPU "
                           "of compute capability >= 8.0 (VLLM_BATCH_INVARIANT); device is 'cpu', where vLLM has "
                           "no batch-invariant kernels. Use kernels: stock, or engine: hf")
+
+
+def _plain(name: str) -> bool:
+    try:
+        return pass_spec(name).source.plain
+    except ValueError:
+        return True  # an unknown name is refused by _check_passes, by name
 
 
 def protocol_settings(config: dict) -> dict:

@@ -48,7 +48,7 @@ PathLike = str | os.PathLike
 
 # ------------------------------------------------------------------------------------------------ saving
 
-def _new_figure(width: float = 7.0, height: float = 4.0) -> Figure:
+def new_figure(width: float = 7.0, height: float = 4.0) -> Figure:
     fig = Figure(figsize=(width, height), dpi=100)
     FigureCanvasAgg(fig)
     return fig
@@ -62,8 +62,8 @@ def save_figure(fig: Figure, out_png: PathLike, out_pdf: PathLike, dpi: int = 15
         fig.savefig(tmp, format="pdf", metadata=PDF_METADATA)
 
 
-def _message_figure(message: str, title: str) -> Figure:
-    fig = _new_figure()
+def message_figure(message: str, title: str) -> Figure:
+    fig = new_figure()
     ax = fig.add_subplot()
     ax.set_axis_off()
     ax.set_title(title)
@@ -118,14 +118,14 @@ def plot_disagreement(results: Mapping[str, dict] | None, out_png: PathLike, out
     title = f"Credit-estimate disagreement with the exact pass ({conditioning}, {_metric_of(results)} metric)"
     blocks = _usable(results, conditioning)
     if not blocks:
-        save_figure(_message_figure(_no_data_message(results, conditioning), title), out_png, out_pdf)
+        save_figure(message_figure(_no_data_message(results, conditioning), title), out_png, out_pdf)
         return
     series: list[tuple[str, str, Any]] = [("replica floor", "floor", lambda b: b["disagreement"]["exact_vs_replica"]),
                                           ("re-feed", "refeed", lambda b: b["disagreement"]["exact_vs_refeed"])]
     extras = sorted({p for b in blocks.values() for p in (b.get("other_passes") or {})})
     for p in extras:
         series.append((p, p, lambda b, p=p: (b.get("other_passes") or {}).get(p, {}).get("vs_exact", {})))
-    fig = _new_figure(max(6.0, 1.3 * len(blocks) + 3), 4.0)
+    fig = new_figure(max(6.0, 1.3 * len(blocks) + 3), 4.0)
     ax = fig.add_subplot()
     x = np.arange(len(blocks))
     width = 0.8 / len(series)
@@ -153,9 +153,9 @@ def plot_kinds_of_change(results: Mapping[str, dict] | None, out_png: PathLike, 
     title = f"Kinds of change ({conditioning}, {_metric_of(results)} metric)"
     blocks = _usable(results, conditioning)
     if not blocks:
-        save_figure(_message_figure(_no_data_message(results, conditioning), title), out_png, out_pdf)
+        save_figure(message_figure(_no_data_message(results, conditioning), title), out_png, out_pdf)
         return
-    fig = _new_figure(max(6.0, 1.4 * len(blocks) + 3), 4.0)
+    fig = new_figure(max(6.0, 1.4 * len(blocks) + 3), 4.0)
     ax = fig.add_subplot()
     x = np.arange(len(blocks))
     width = 0.38
@@ -190,11 +190,11 @@ def plot_jaccard_sweep(results: Mapping[str, dict] | None, out_png: PathLike, ou
     title = f"Critical-set overlap with the exact selection ({conditioning})"
     blocks = {c: b for c, b in _usable(results, conditioning).items() if b["selection"]["sweep"]}
     if not blocks:
-        save_figure(_message_figure(_no_data_message(results, conditioning), title), out_png, out_pdf)
+        save_figure(message_figure(_no_data_message(results, conditioning), title), out_png, out_pdf)
         return
     ncols = min(3, len(blocks))
     nrows = -(-len(blocks) // ncols)
-    fig = _new_figure(3.2 * ncols + 0.5, 2.8 * nrows + 0.6)
+    fig = new_figure(3.2 * ncols + 0.5, 2.8 * nrows + 0.6)
     axes = fig.subplots(nrows, ncols, squeeze=False, sharey=True)
     for ax, (cfg, block) in zip(axes.ravel(), blocks.items()):
         sweep = block["selection"]["sweep"]
@@ -245,11 +245,11 @@ def plot_diff_histogram(credits: Mapping[str, Mapping[str, pl.DataFrame]] | None
     title = f"Â(re-feed) - Â(exact) on eligible pivots ({conditioning})"
     frames = _frames(credits, conditioning)
     if not frames:
-        save_figure(_message_figure(NO_DATA, title), out_png, out_pdf)
+        save_figure(message_figure(NO_DATA, title), out_png, out_pdf)
         return
     ncols = min(3, len(frames))
     nrows = -(-len(frames) // ncols)
-    fig = _new_figure(3.2 * ncols + 0.5, 2.6 * nrows + 0.6)
+    fig = new_figure(3.2 * ncols + 0.5, 2.6 * nrows + 0.6)
     axes = fig.subplots(nrows, ncols, squeeze=False)
     for ax, (cfg, sel) in zip(axes.ravel(), frames.items()):
         k = int(sel["k"].max())
@@ -301,14 +301,14 @@ def plot_disagreement_vs_margin(credits: Mapping[str, Mapping[str, pl.DataFrame]
     title = f"Disagreement by pivot margin, pooled over configurations ({conditioning}, {metric} metric)"
     frames = _frames(credits, conditioning)
     if not frames:
-        save_figure(_message_figure(NO_DATA, title), out_png, out_pdf)
+        save_figure(message_figure(NO_DATA, title), out_png, out_pdf)
         return
     cols = ["margin", "a_hat__exact", "a_hat__refeed", "a_hat__replica"]
     pooled = pl.concat([f.select(cols) for f in frames.values()], how="vertical_relaxed")
     table = disagreement_by_margin(pooled, margin_bins(pooled["margin"].to_numpy(), n_bins), metric)
     table = table.filter(pl.col("n") > 0)
     mid = ((table["lo"] + table["hi"]) / 2).to_numpy()
-    fig = _new_figure()
+    fig = new_figure()
     ax = fig.add_subplot()
     ax.plot(mid, 100 * table["refeed"].to_numpy(), marker="o", color=COLORS["refeed"], label="exact vs re-feed")
     ax.plot(mid, 100 * table["replica"].to_numpy(), marker="s", color=COLORS["floor"], label="exact vs replica")
@@ -354,7 +354,7 @@ def plot_channel_agreement(data: Mapping[str, tuple[dict, pl.DataFrame]] | None,
     title = "Agreement with the exact pass, by channel (share identical; all pivots)"
     data = {c: d for c, d in (data or {}).items() if d[1].height}
     if not data:
-        save_figure(_message_figure("no channels measured (channels.csv is empty)", title), out_png, out_pdf)
+        save_figure(message_figure("no channels measured (channels.csv is empty)", title), out_png, out_pdf)
         return
     # one heat-map row per configuration and replay (replica, then re-feed), one column per channel: compact
     # at any number of configurations, and the two rows of a configuration sit side by side
@@ -368,7 +368,7 @@ def plot_channel_agreement(data: Mapping[str, tuple[dict, pl.DataFrame]] | None,
             labels.append(f"{cfg} ({pivots} pivots)  vs replica" if other == "replica"
                           else f"vs re-feed{note}")
     grid = np.array(shares, dtype=float)
-    fig = _new_figure(8.0, 0.32 * len(labels) + 1.6)
+    fig = new_figure(8.0, 0.32 * len(labels) + 1.6)
     ax = fig.add_subplot(1, 1, 1)
     cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="lightgrey")  # n/a (not measured): grey, not red
     ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")

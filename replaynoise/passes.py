@@ -1,31 +1,151 @@
 """The replay passes and the two branches of a pivot, defined once for the passes, the credit and the analysis.
 
-A pass is named by what it is for; its spec says where its prefix state comes from (``source``: the engine's
-prefix sources) and which noise stream its continuations draw (``noise``: passes with the same stream share
-seeds, so only the prefix state can tell them apart).
+A pass is named by what it is for; its spec says where its prefix state comes from (``source``: a
+``PrefixSource``, which the engine builds), which noise stream its continuations draw (``noise``: passes with
+the same stream share seeds, so only the prefix state can tell them apart) and whose batch layout it runs in
+(``schedule``: a control pass borrows the layout of the pass it changes one thing of, so that thing is all that
+differs).
+
+Besides the three passes of the measurement, two families of controls ask *why* re-feeding moves the credit
+(docs/method.md section 7): cache transplants (the recipient pass's own state with another pass's KV swapped
+in, all layers or a range of them) and fixed-prefix precision arms (the re-fed prefix, or the continuation,
+computed in float32).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 BRANCHES = ("orig", "sub")
+#: Where a continuation's prefix state comes from (method.md section 2).
+PREFIX_SOURCES = ("decode_kv", "refeed_ids", "refeed_text")
+
+
+@dataclass(frozen=True)
+class PrefixSource:
+    """How an engine builds a pass's prefix states.
+
+    ``kind`` builds the state; with ``donor``, layers [``layers[0]``, ``layers[1]``) (None: to the last) are then
+    replaced by the KV the ``donor`` kind builds for the same prefix. ``prefix_dtype`` computes a re-fed prefix
+    in that dtype and casts its KV back to the model's; ``continuation_dtype`` decodes the continuation in that
+    dtype from the state cast up to it.
+    """
+
+    kind: str
+    donor: str | None = None
+    layers: tuple[int, int | None] = (0, None)
+    prefix_dtype: str | None = None
+    continuation_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for key, value in (("kind", self.kind), ("donor", self.donor)):
+            if value is not None and value not in PREFIX_SOURCES:
+                raise ValueError(f"prefix source {key} must be one of {PREFIX_SOURCES}, got {value!r}")
+        if self.donor == "refeed_text" or (self.donor is not None and self.kind == "refeed_text"):
+            raise ValueError("a transplant needs the same token ids in donor and recipient; refeed_text "
+                             "re-tokenizes the prefix, so it can be neither")
+        if self.prefix_dtype is not None and self.kind == "decode_kv":
+            raise ValueError("prefix_dtype applies to a re-fed prefix; the decode-time KV is stored as computed")
+
+    @property
+    def plain(self) -> bool:
+        """Built the way every engine can (no transplant, no precision change)."""
+        return self.donor is None and self.prefix_dtype is None and self.continuation_dtype is None
+
+    @property
+    def label(self) -> str:
+        """The ``prefix_source`` column of a pass table: the kind, then what differs from it."""
+        label = self.kind
+        if self.donor is not None:
+            lo, hi = self.layers
+            label += f"<-{self.donor}[{lo}:{'' if hi is None else hi}]"
+        if self.prefix_dtype:
+            label += f"+prefix:{self.prefix_dtype}"
+        if self.continuation_dtype:
+            label += f"+continuation:{self.continuation_dtype}"
+        return label
+
+
+def as_source(source: str | PrefixSource) -> PrefixSource:
+    """A prefix source given by kind alone (``"decode_kv"``) or in full."""
+    return source if isinstance(source, PrefixSource) else PrefixSource(source)
 
 
 @dataclass(frozen=True)
 class PassSpec:
-    """How a pass obtains its prefix state, and which noise stream its continuations use."""
+    """How a pass obtains its prefix state, which noise stream its continuations use and whose batch layout
+    (schedule) it runs in; for a transplant, which pass's cache it takes (donor) into which pass (recipient)."""
 
-    source: str
+    source: PrefixSource
     noise: str
     purpose: str
+    #: the pass whose schedule seed packs this pass's batches (None: its own)
+    schedule: str | None = None
+    donor: str | None = None
+    recipient: str | None = None
+    #: a fixed-prefix precision arm: (name of the arm, the pass it is compared with)
+    precision: tuple[str, str] | None = None
 
 
 PASSES: dict[str, PassSpec] = {
-    "exact": PassSpec("decode_kv", "crn", "ground truth: resume from the verified decode-time KV"),
-    "replica": PassSpec("decode_kv", "crn", "the same again, as an independent pass: the replica noise floor"),
-    "refeed": PassSpec("refeed_ids", "crn", "prefix token ids fed again as a fresh prompt"),
-    "refeed_text": PassSpec("refeed_text", "crn", "prefix decoded to text and re-tokenized, then prefilled"),
-    "selector": PassSpec("decode_kv", "selector", "exact with fresh seeds: decides informativeness independently"),
-    "replica_fresh": PassSpec("decode_kv", "fresh", "exact with fresh seeds: the Monte-Carlo floor"),
+    "exact": PassSpec(PrefixSource("decode_kv"), "crn", "ground truth: resume from the verified decode-time KV"),
+    "replica": PassSpec(PrefixSource("decode_kv"), "crn",
+                        "the same again, as an independent pass: the replica noise floor"),
+    "refeed": PassSpec(PrefixSource("refeed_ids"), "crn", "prefix token ids fed again as a fresh prompt"),
+    "refeed_text": PassSpec(PrefixSource("refeed_text"), "crn",
+                            "prefix decoded to text and re-tokenized, then prefilled"),
+    "selector": PassSpec(PrefixSource("decode_kv"), "selector",
+                         "exact with fresh seeds: decides informativeness independently"),
+    "replica_fresh": PassSpec(PrefixSource("decode_kv"), "fresh", "exact with fresh seeds: the Monte-Carlo floor"),
+    # cache transplants (HF engine): the recipient's own state is built, then the donor's KV swapped in
+    "transplant_decode": PassSpec(
+        PrefixSource("refeed_ids", donor="decode_kv"), "crn",
+        "refeed (its prefill, batch layout and first forward) with the decode-time KV swapped in",
+        schedule="refeed", donor="exact", recipient="refeed"),
+    "transplant_refeed": PassSpec(
+        PrefixSource("decode_kv", donor="refeed_ids"), "crn",
+        "exact (its batch layout and first forward) with the re-fed KV swapped in",
+        schedule="exact", donor="refeed", recipient="exact"),
+    # fixed-prefix precision controls (HF engine)
+    "refeed_fp32": PassSpec(
+        PrefixSource("refeed_ids", prefix_dtype="float32"), "crn",
+        "refeed with the prefix prefilled in float32, its KV cast back to the model's dtype",
+        schedule="refeed", precision=("prefix in float32", "exact")),
+    "exact_fp32cont": PassSpec(
+        PrefixSource("decode_kv", continuation_dtype="float32"), "crn",
+        "exact with the continuation decoded in float32 (the decode-time KV cast up)", schedule="exact"),
+    "refeed_fp32cont": PassSpec(
+        PrefixSource("refeed_ids", continuation_dtype="float32"), "crn",
+        "refeed with the continuation decoded in float32 (the re-fed KV cast up)",
+        schedule="refeed", precision=("continuation in float32", "exact_fp32cont")),
 }
+#: Per-layer transplants, a family of names: ``transplant_refeed_lo<L>`` swaps the re-fed KV into the exact pass
+#: for layers [0, L) only, ``transplant_refeed_hi<L>`` for layers [L, n).
+LAYER_PASS = re.compile(r"transplant_refeed_(lo|hi)(\d+)")
+
+
+def pass_spec(name: str) -> PassSpec:
+    """The spec of a pass named in ``replay.passes`` (a fixed name or one of the per-layer family)."""
+    if name in PASSES:
+        return PASSES[name]
+    match = LAYER_PASS.fullmatch(name)
+    if match is None:
+        raise ValueError(f"unknown pass {name!r}; expected one of {sorted(PASSES)} or "
+                         "transplant_refeed_lo<L> / transplant_refeed_hi<L>")
+    side, layer = match.group(1), int(match.group(2))
+    layers = (0, layer) if side == "lo" else (layer, None)
+    where = f"[0, {layer})" if side == "lo" else f"[{layer}, n)"
+    return PassSpec(PrefixSource("decode_kv", donor="refeed_ids", layers=layers), "crn",
+                    f"exact with the re-fed KV swapped in for layers {where} only", schedule="exact",
+                    donor="refeed", recipient="exact")
+
+
+def schedule_of(name: str) -> str:
+    """The pass whose batch layout pass ``name`` runs in."""
+    return pass_spec(name).schedule or name
+
+
+def plain_passes(names: list[str]) -> list[str]:
+    """The passes any engine can run (no transplant, no precision change)."""
+    return [n for n in names if pass_spec(n).source.plain]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import polars as pl
 
-from replaynoise import figures
+from replaynoise import control_report, figures
 from replaynoise.analysis import POOLED_PROBE_REASON, compare_passes, comparison_settings, pool_credit
 from replaynoise.tables import headline_rows
 from replaynoise.config import analysis_hash
@@ -42,7 +42,7 @@ from replaynoise.tables import write_headline_tables
 #: floating point on another CPU; a real difference in a pivot moves a rate by 1/n, far more)
 DRIFT_TOLERANCE = 1e-9
 #: comparison.json entries computed from the replayed rows, which a reference folder does not hold
-FROM_ROWS = ("probe", "verification", "prefix_cache")
+FROM_ROWS = ("probe", "verification", "prefix_cache", "controls")
 
 #: What a snapshot keeps: small, human-readable outputs. Parquet tables and KV files stay out; the manifest
 #: still carries their checksums.
@@ -202,6 +202,15 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
         png, pdf = out / "figures" / f"{name}.png", out / "figures" / f"{name}.pdf"
         getattr(figures, f"plot_{name}")(data, png, pdf, **figures.plot_options(name, config))
         written += [png, pdf]
+    controls = control_report.control_outputs(passes)  # from the committed controls block
+    for name in controls["figures"]:
+        png, pdf = out / "figures" / f"{name}.png", out / "figures" / f"{name}.pdf"
+        getattr(control_report, f"plot_{name}")(comparisons, png, pdf)
+        written += [png, pdf]
+    for name in controls["tables"]:
+        csv_file, md = out / "tables" / f"{name}.csv", out / "tables" / f"{name}.md"
+        control_report.write_control_tables(comparisons, pooled_ref["analysis_hash"], csv_file, md)
+        written += [csv_file, md]
     return written
 
 

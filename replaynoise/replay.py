@@ -22,7 +22,7 @@ from replaynoise.engines.base import ContinuationRequest, Engine, SamplingSettin
 from replaynoise.seeds import derive_seed
 from replaynoise.progress import Phases, TokenProgress
 from replaynoise.io import keyed_scratch, write_parquet
-from replaynoise.passes import BRANCHES, PASSES
+from replaynoise.passes import BRANCHES, pass_spec, schedule_of
 from replaynoise.shards import batch_range
 
 def continuation_seed(seed: int, config_name: str, pivot_id: str, branch: str, k: int, noise: str) -> int:
@@ -67,7 +67,7 @@ def build_requests(pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: s
     With ``kv_dirs`` (the rollout shards' KV folders) the rollouts' ``kv_file`` is a file name looked up there,
     as in the gathered rollouts table; without, it is used as a path.
     """
-    spec = PASSES[pass_name]
+    spec = pass_spec(pass_name)
     by_rollout = {(r["problem_id"], r.get("rollout", 0)): r for r in rollouts.iter_rows(named=True)}
     located = kv_locations(kv_dirs) if kv_dirs is not None else None
     requests = []
@@ -84,7 +84,7 @@ def build_requests(pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: s
             kv_file = located[kv_file]
         prefix = tuple(r["prompt_ids"] + r["response_ids"][: p["t"]])
         text_ids = None
-        if spec.source == "refeed_text":
+        if spec.source.kind == "refeed_text":
             if tokenizer is None:
                 raise ValueError("refeed_text needs the tokenizer to re-tokenize the prefix")
             text = tokenizer.decode(list(prefix), skip_special_tokens=False)
@@ -120,15 +120,17 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
 
     The schedule is always that of the whole pass (``replaynoise.shards``), so sharding never changes a batch.
     """
-    spec = PASSES[pass_name]
+    spec = pass_spec(pass_name)
     requests = build_requests(pivots, rollouts, pass_name=pass_name, k=k, seed=seed, config_name=config_name,
                               tokenizer=engine.tokenizer, kv_dirs=kv_dirs)
-    sched_seed = schedule_seed(seed, config_name, pass_name)
+    # a control pass packs its batches as the pass it varies does (PassSpec.schedule)
+    layout = schedule_of(pass_name)
+    sched_seed = schedule_seed(seed, config_name, layout)
     work_dir = keyed_scratch(work_dir, scratch_key)
     units = [("batch", requests, sampling, sched_seed)]
     if probe_tokens:
         units.append(("probe", probe_requests(requests), SamplingSettings(0.0, 1.0, probe_tokens),
-                      schedule_seed(seed, config_name, f"{pass_name}:probe")))
+                      schedule_seed(seed, config_name, f"{layout}:probe")))
     todo = []
     for kind, reqs, samp, sseed in units:
         all_batches = make_schedule(len(reqs), batch_size, sseed)
@@ -158,7 +160,7 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
                 continue
             results = engine.run_batch(batch, spec.source, samp)
             with grading("grade"):
-                records = graded_records(batch, results, engine.tokenizer, spec.source, batch_id, sseed, golds,
+                records = graded_records(batch, results, engine.tokenizer, spec.source.label, batch_id, sseed, golds,
                                          pivot_problem, pivot_t, engine.stop_ids)
             pending.append(writer.submit(write, kind, batch_id, records))
             for future in [f for f in pending if f.done()]:

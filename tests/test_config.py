@@ -145,7 +145,7 @@ BAD_VALUES = {
     "k-zero": ("replay.k", 0, ["replay.k", "minimum of 1"]),
     "unknown-pass": ("replay.passes", ["exact", "replica", "refeed", "bogus"],
                      ["replay.passes", "'bogus'", "allowed values: exact, replica, refeed, selector, refeed_text, "
-                      "replica_fresh"]),
+                      "replica_fresh, transplant_decode", "transplant_refeed_lo<L>"]),
     "passes-without-refeed": ("replay.passes", ["exact", "replica", "selector"], ["replay.passes", "'refeed'"]),
     "unknown-source": ("dataset.source", "mnist",
                        ["dataset.source", "'mnist'", "allowed values: simple_addsub, gsm8k, svamp, mawps_addsub, "

@@ -17,8 +17,9 @@ LAYERS = [
     ["packages", "grading", "pivots", "credit", "cost", "channels", "engines.sampling", "engines.base"],
     ["datasets"],
     ["models", "engines.kvfiles", "engines.fast", "engines.vllm"],
-    ["engines.hf", "config", "rollouts", "replay", "analysis"],
+    ["engines.hf", "config", "rollouts", "replay", "analysis", "controls"],
     ["engines", "tables", "figures", "provenance"],
+    ["control_report"],
     ["reference", "reanalyze"],
 ]
 #: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when

@@ -139,3 +139,43 @@ def test_paper_preset_runs_on_cpu_shrunk_and_reports_the_papers_definitions(smol
     headline = pl.read_csv(results / "tables" / "headline.csv", comment_prefix="#")
     assert set(headline["conditioning"]) >= {"main", "treatment_independent"}
     assert (headline["metric"] == "sign").all()
+
+
+CONTROLS = ["transplant_decode", "transplant_refeed", "transplant_refeed_lo15", "transplant_refeed_hi15",
+            "refeed_fp32", "exact_fp32cont", "refeed_fp32cont"]
+
+
+def test_control_passes_join_a_finished_run_without_rerunning_it_and_report_whom_they_follow(finished_run,
+                                                                                           tmp_path):
+    """Issue 16 on the packaged SmolLM2 (30 layers, bf16, CPU): adding transplant and precision passes runs them
+    alone (no other pass reruns). A whole-cache transplant's first step never stays with its recipient where
+    donor and recipient differ and mostly follows the donor (not always: it runs in the recipient's batch layout,
+    and on this CPU the layout alone changes 54% of exact's first steps, the replica's floor); its drift from the
+    decode-time KV is zero exactly in the layers taken from it. (Same layout, bitwise: tests/test_controls.py.)"""
+    from conftest import clone_run
+
+    run = clone_run(finished_run, tmp_path / "run")
+    config = {**TINY, "replay": {**TINY["replay"], "passes": TINY["replay"]["passes"] + CONTROLS}}
+    rules = planned_rules(run, config)
+    assert {f"replay_{p}" for p in CONTROLS} <= rules
+    assert {"figure_transplant", "figure_transplant_layers", "table_controls"} <= rules
+    assert not rules & {"generate_rollouts", "replay_exact", "replay_replica", "replay_refeed", "replay_selector"}
+    snakemake(run, config)
+    results = run / "results"
+    for rel in ["figures/transplant.png", "figures/transplant_layers.pdf", "tables/controls.csv",
+                "tables/controls.md"]:
+        assert (results / rel).is_file() and rel in (results / "MANIFEST.sha256").read_text(), rel
+    controls = json.loads((results / "analysis" / "tiny" / "comparison.json").read_text())["controls"]
+    for name in ("transplant_decode", "transplant_refeed"):
+        first = controls["transplant"][name]["channels"]["next_topk"]
+        assert first["donor_and_recipient_differ"] == 24  # re-fed and decode-time first steps always differ here
+        assert first["follows_recipient_where_they_differ"]["n_same"] == 0
+        assert first["follows_donor_where_they_differ"]["estimate"] > 0.5, first
+    lower = pl.read_parquet(results / "passes" / "tiny" / "transplant_refeed_lo15.parquet")["kv_maxdiff"]
+    assert all(len(d) == 30 and max(d[15:]) == 0.0 for d in lower.to_list())
+    assert any(max(d[:15]) > 0 for d in lower.to_list())
+    arms = {a["arm"]: a for a in controls["precision"]}
+    assert set(arms) == {"replica floor", "model dtype", "prefix in float32", "continuation in float32"}
+    assert arms["prefix in float32"]["kv_drift"]["median"] > 0  # bf16 decode-time KV vs an fp32 prefill
+    table = (results / "tables" / "controls.md").read_text()
+    assert "| tiny | transplant_decode | exact → refeed | [0, n) |" in table and "prefix in float32" in table

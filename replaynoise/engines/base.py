@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from replaynoise.passes import PREFIX_SOURCES, PrefixSource
 from replaynoise.progress import Phases
 
-#: Where a continuation's prefix state comes from (method.md section 2).
-PREFIX_SOURCES = ("decode_kv", "refeed_ids", "refeed_text")
+__all__ = ["PREFIX_SOURCES", "PrefixSource"]  # where a prefix state comes from: defined with the passes
 
 
 @dataclass(frozen=True)
@@ -116,9 +116,11 @@ class Engine(Protocol):
         ...
 
     def run_batch(
-        self, requests: list[ContinuationRequest], source: str, sampling: SamplingSettings,
+        self, requests: list[ContinuationRequest], source: "str | PrefixSource", sampling: SamplingSettings,
     ) -> list[ContinuationResult]:
-        """Run one batch of continuations together, as a serving engine would co-schedule them."""
+        """Run one batch of continuations together, as a serving engine would co-schedule them. ``source`` is a
+        prefix source kind or a ``PrefixSource``; an engine refuses, by name, what it cannot build (a transplant
+        needs the KV in hand)."""
         ...
 
 

@@ -11,11 +11,12 @@ Two kernel modes:
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from replaynoise.engines.base import (
-    PREFIX_SOURCES, ContinuationRequest, ContinuationResult, KeepLen, Rollout, RolloutRequest, SamplingSettings,
+    ContinuationRequest, ContinuationResult, KeepLen, PrefixSource, Rollout, RolloutRequest, SamplingSettings,
     VerificationError,
 )
 from replaynoise.engines.fast import AlignedDecoder, StaticDecoder, static_decode_supported, use_fp32_matmul
@@ -32,6 +33,7 @@ from replaynoise.engines.sampling import (
     RowSampler, digest_rows, digest_strings, logits_digest, sample_rows, topk_logprobs, topk_rows,
 )
 from replaynoise.models import eos_token_ids
+from replaynoise.passes import as_source
 from replaynoise.progress import Phases
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,7 @@ class PrefixState:
     verified: bool
     kv_maxdiff: list[float] | None
     #: prefix positions taken from stored KV (decode_kv: all of them; a re-feed prefills all: 0)
-    cached: int = 0
+    cached: int | None = 0
     expected: int | None = None
     restep_match: bool | None = None
     #: the same KV stacked, [layers, 2, 1, kv_heads, length, head_dim] (None where layers differ in shape):
@@ -119,16 +121,28 @@ class HFEngine:
         self._files: OrderedDict[str, tuple[tuple[KVLayers, list[int] | None, torch.Tensor | None], int]] = (
             OrderedDict())
         self.phases = Phases(torch.cuda.synchronize if self.device.type == "cuda" else None)
+        self._copies: dict[str, torch.nn.Module] = {}  # the model in another dtype (precision controls)
 
     # ----------------------------------------------------------------------------------------- forwards
     @torch.inference_mode()
-    def _step(self, ids: torch.Tensor, cache: DynamicCache, **kwargs) -> torch.Tensor:
-        """One forward; returns float32 logits of the last position of every row, on the model's device (sampling
-        noise, digests and top-k are computed there, so a GPU never copies a vocabulary per row and step)."""
+    def _step(self, ids: torch.Tensor, cache: DynamicCache, model: torch.nn.Module | None = None,
+              **kwargs) -> torch.Tensor:
+        """One forward (of ``model``, default the engine's); returns float32 logits of the last position of every
+        row, on the model's device (sampling noise, digests and top-k are computed there, so a GPU never copies a
+        vocabulary per row and step)."""
         with sdpa_kernel(EAGER_ATTENTION):
-            out = self.model(input_ids=ids.to(self.device), past_key_values=cache, use_cache=True,
-                             logits_to_keep=1, **kwargs)
+            out = (model or self.model)(input_ids=ids.to(self.device), past_key_values=cache, use_cache=True,
+                                        logits_to_keep=1, **kwargs)
         return out.logits[:, -1, :].to(torch.float32)
+
+    def _model_in(self, dtype: str) -> torch.nn.Module:
+        """The model with its weights cast to ``dtype`` (a copy, made once; the engine's own where it is in that
+        dtype already): the precision controls compute a prefix or a continuation at another precision."""
+        if getattr(torch, dtype) == self.model.dtype:
+            return self.model
+        if dtype not in self._copies:
+            self._copies[dtype] = copy.deepcopy(self.model).to(getattr(torch, dtype)).eval()
+        return self._copies[dtype]
 
     def _prefill(self, ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
         """KV and last logits of one prompt: one forward in stock mode, one forward per token in invariant mode."""
@@ -142,7 +156,8 @@ class HFEngine:
         return cache, logits[0]
 
     @torch.inference_mode()
-    def _prefill_batch(self, seqs: list[list[int]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    def _prefill_batch(self, seqs: list[list[int]], model: torch.nn.Module | None = None
+                       ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         """KV and last logits of many prompts in one left-padded forward, as a serving engine prefills a batch.
 
         Returns the cache (row r's positions start at ``pads[r]``), float32 logits [rows, vocab] on the device,
@@ -155,7 +170,8 @@ class HFEngine:
             mask[row, longest - len(seq):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        logits = self._step(ids, cache, attention_mask=mask.to(self.device), position_ids=positions.to(self.device))
+        logits = self._step(ids, cache, model, attention_mask=mask.to(self.device),
+                            position_ids=positions.to(self.device))
         padding = (mask == 0).to(self.device)[:, None, :, None]
         for layer in cache.layers:  # padding's KV is masked out, but 0 * NaN would not be: make it zero
             if layer.keys.shape[-2] != padding.shape[2]:
@@ -356,29 +372,28 @@ class HFEngine:
             return last, [t[:n, :last + 1].tolist() for t in (sampled, top_ids, top_lps, digests)]
 
     # ----------------------------------------------------------------------------------------- prefix states
-    def prefix_state(self, req: ContinuationRequest, source: str) -> PrefixState:
+    def prefix_state(self, req: ContinuationRequest, source: str | PrefixSource) -> PrefixState:
         return self.prefix_states([req], source)[0]
 
     @torch.inference_mode()
-    def prefix_states(self, requests: list[ContinuationRequest], source: str) -> list[PrefixState]:
+    def prefix_states(self, requests: list[ContinuationRequest], source: str | PrefixSource) -> list[PrefixState]:
         """The prefix state of every request, built together for the batch's pivots (one batched forward for
-        all their re-feed prefills or exact-state re-steps, not one batch-1 forward per pivot).
+        all their re-feed prefills or exact-state re-steps, not one batch-1 forward per pivot); for a
+        transplant, the recipient's state with the donor's KV swapped into the source's layers.
 
         Built anew for every batch, from the batch alone: a state kept from an earlier batch would make a
         batch's numbers depend on which batches ran before it in this process, so a resumed pass would differ
         from an uninterrupted one. (The stored KV files are kept: loading is exact.)"""
-        if source not in PREFIX_SOURCES:
-            raise ValueError(f"unknown prefix source {source!r}")
+        source = as_source(source)
         todo = list({req.pivot_id: req for req in requests}.values())
         with self.phases("prefix states"):
             self._load_stored([req for req in todo if req.kv_file is not None])
-            if source == "decode_kv":
-                built = [self._decode_state(req) for req in todo]
-            else:
-                ids = [list(req.text_prefix_ids or req.prefix_ids) if source == "refeed_text"
-                       else list(req.prefix_ids) for req in todo]
-                built = self._refeed_states(todo, ids)
-        if source == "decode_kv":
+            built = self._states_of(source.kind, todo, source.prefix_dtype)
+            if source.donor is not None:
+                donors = self._states_of(source.donor, todo)
+                built = self._drift(todo, [_transplant(req, mine, theirs, source.layers) for req, mine, theirs
+                                           in zip(todo, built, donors)])
+        if source.kind == "decode_kv" and source.donor is None:
             wanted = {req.pivot_id for req in requests if req.restep}
             chosen = [i for i, req in enumerate(todo) if req.pivot_id in wanted]
             if chosen:
@@ -387,6 +402,15 @@ class HFEngine:
                                                                              [built[i] for i in chosen])
         by_pivot = {req.pivot_id: state for req, state in zip(todo, built)}
         return [by_pivot[req.pivot_id] for req in requests]
+
+    def _states_of(self, kind: str, requests: list[ContinuationRequest], prefix_dtype: str | None = None
+                   ) -> list[PrefixState]:
+        """The states a prefix source kind builds for these (distinct) pivots."""
+        if kind == "decode_kv":
+            return [self._decode_state(req) for req in requests]
+        ids = [list(req.text_prefix_ids or req.prefix_ids) if kind == "refeed_text" else list(req.prefix_ids)
+               for req in requests]
+        return self._refeed_states(requests, ids, prefix_dtype)
 
     def _load_stored(self, requests: list[ContinuationRequest]) -> None:
         """Read (and hash) the batch's stored KV files not yet on the device, in parallel threads, a few at a
@@ -497,11 +521,18 @@ class HFEngine:
             for slot, (req, state) in enumerate(zip(reqs, group)):
                 state.restep_match = same_kv[slot] and digests[slot] == req.expected_digest
 
-    def _refeed_states(self, requests: list[ContinuationRequest], seqs: list[list[int]]) -> list[PrefixState]:
+    def _refeed_states(self, requests: list[ContinuationRequest], seqs: list[list[int]],
+                       dtype: str | None = None) -> list[PrefixState]:
         """Recompute the prefixes as fresh prompts, prefilled together (invariant: by the invariant decoder's steps,
-        or one token of one row at a time without static decode); where the decode KV is stored, record how far
-        each moved from it (max |dKV| per layer)."""
-        if self.aligned:  # prefilled by the invariant decoder's own steps, at most invariant_rows at a time
+        or one token of one row at a time without static decode; ``dtype``: by the model cast to it, in one
+        batched forward whatever the kernels, the KV cast back to the model's dtype); where the decode KV is
+        stored, record how far each moved from it (max |dKV| per layer)."""
+        if dtype is not None:
+            cache, _, mask = self._prefill_batch(seqs, self._model_in(dtype))
+            whole, longest = stack_layers(cache_layers(cache)).to(self.model.dtype), mask.shape[1]
+            del cache
+            stacks = [whole[:, :, r:r + 1, :, longest - len(seq):] for r, seq in enumerate(seqs)]
+        elif self.aligned:  # prefilled by the invariant decoder's own steps, at most invariant_rows at a time
             decoder, rows, stacks = self._aligned(), self.invariant_shape[0], []
             for start in range(0, len(seqs), rows):
                 chunk = seqs[start:start + rows]
@@ -515,15 +546,19 @@ class HFEngine:
             whole, longest = stack_layers(cache_layers(cache)), mask.shape[1]
             del cache
             stacks = [whole[:, :, r:r + 1, :, longest - len(seq):] for r, seq in enumerate(seqs)]
-        states, diffs = [], []
-        for req, seq, kv in zip(requests, seqs, stacks):
+        return self._drift(requests, [PrefixState(None, len(seq), True, None, kv=kv) for seq, kv in zip(seqs, stacks)])
+
+    def _drift(self, requests: list[ContinuationRequest], states: list[PrefixState]) -> list[PrefixState]:
+        """Record in each state how far its KV is from the stored decode-time KV of the same prefix (max |dKV| per
+        layer), where both are at hand."""
+        diffs = []
+        for req, state in zip(requests, states):
             diff = None
-            if req.kv_file is not None and len(seq) == len(req.prefix_ids):
+            if req.kv_file is not None and state.kv is not None and state.length == len(req.prefix_ids):
                 stored = self._stored(req.kv_file, req.kv_sha256)[2]
-                if stored is not None and stored.shape[-2] >= len(seq):
-                    diff = (kv - stored[..., :len(seq), :]).abs().flatten(1).amax(-1).float()  # per layer
+                if stored is not None and stored.shape[-2] >= state.length:
+                    diff = (state.kv - stored[..., :state.length, :]).abs().flatten(1).amax(-1).float()  # per layer
             diffs.append(diff)
-            states.append(PrefixState(None, len(seq), True, None, kv=kv))
         measured = [i for i, d in enumerate(diffs) if d is not None]
         if measured:  # one host copy for all
             for i, values in zip(measured, torch.stack([diffs[i] for i in measured]).tolist()):
@@ -532,9 +567,12 @@ class HFEngine:
 
     # ----------------------------------------------------------------------------------------- continuations
     @torch.inference_mode()
-    def run_batch(self, requests: list[ContinuationRequest], source: str,
+    def run_batch(self, requests: list[ContinuationRequest], source: str | PrefixSource,
                   sampling: SamplingSettings) -> list[ContinuationResult]:
+        source = as_source(source)
         states = self.prefix_states(requests, source)
+        if source.continuation_dtype is not None:  # a precision control: the model cast, states cast up
+            return self._continue_in(source.continuation_dtype, requests, states, sampling)
         if self.aligned:
             rows = self.invariant_shape[0]
             return [result for start in range(0, len(requests), rows) for result in
@@ -547,6 +585,23 @@ class HFEngine:
                         (([r], [s]) for r, s in zip(requests, states))]
             return self._continue(requests, states, sampling)
 
+    def _continue_in(self, dtype: str, requests: list[ContinuationRequest], states: list[PrefixState],
+                     sampling: SamplingSettings) -> list[ContinuationResult]:
+        """Decode the continuations with the model cast to ``dtype`` from the states cast up to it (HF's own
+        forward, finished rows leaving the batch; one row at a time under invariant kernels)."""
+        to = getattr(torch, dtype)
+        cast: dict[int, PrefixState] = {}
+        for state in states:
+            if id(state) not in cast:
+                cast[id(state)] = (replace(state, kv=state.kv.to(to)) if state.kv is not None else
+                                   replace(state, layers=[(k.to(to), v.to(to)) for k, v in state.per_layer()]))
+        states = [cast[id(s)] for s in states]
+        model = self._model_in(dtype)
+        with self.phases("decode"):
+            if self.invariant:
+                return [self._continue([r], [s], sampling, model)[0] for r, s in zip(requests, states)]
+            return self._continue(requests, states, sampling, model)
+
     def _result(self, req: ContinuationRequest, tokens: list[int], finish: str, state: PrefixState,
                 first: tuple) -> ContinuationResult:
         """One row's result; the re-step outcome only on rows that asked for it (once per pivot and pass)."""
@@ -555,7 +610,7 @@ class HFEngine:
                                   restep_match=state.restep_match if req.restep else None)
 
     def _continue(self, requests: list[ContinuationRequest], states: list[PrefixState],
-                  sampling: SamplingSettings) -> list[ContinuationResult]:
+                  sampling: SamplingSettings, model: torch.nn.Module | None = None) -> list[ContinuationResult]:
         """Decode all rows together from their prefix states; finished rows leave the batch."""
         n = len(requests)
         cache, mask = _left_padded_cache(states)
@@ -570,7 +625,7 @@ class HFEngine:
             mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype)], dim=1)
             kwargs = {} if self.invariant else {
                 "attention_mask": mask.to(self.device), "position_ids": positions[:, None].to(self.device)}
-            logits = self._step(tokens[:, None], cache, **kwargs)
+            logits = self._step(tokens[:, None], cache, model, **kwargs)
             if step == 0:
                 first = self._first_steps(logits)
             keep = []
@@ -691,6 +746,24 @@ class HFEngine:
             tokens_i, finish = (row[:end + 1], "eos") if end is not None else (row, "length")
             results.append(self._result(req, tokens_i, finish, s, tuple(f[i] for f in firsts)))
         return results
+
+
+def _transplant(req: ContinuationRequest, mine: PrefixState, theirs: PrefixState,
+                layers: tuple[int, int | None]) -> PrefixState:
+    """``mine`` with the KV of layers [lo, hi) replaced by ``theirs`` (the same prefix, built another way). It is
+    the decode-time state only where both parts are verified; no prefix position counts as read from a cache."""
+    if mine.kv is None or theirs.kv is None:
+        raise ValueError(f"pivot {req.pivot_id}: a cache transplant needs every layer's KV in one shape; this "
+                         "model's layers differ (a sliding-window layer keeps only its window)")
+    if mine.length != theirs.length:
+        raise ValueError(f"pivot {req.pivot_id}: donor and recipient prefixes differ in length "
+                         f"({theirs.length} and {mine.length})")
+    n = mine.kv.shape[0]
+    lo, hi = layers[0], n if layers[1] is None else layers[1]
+    if not 0 <= lo <= hi <= n:
+        raise ValueError(f"transplant layers [{lo}, {hi}) are outside this model's {n} layers")
+    kv = torch.cat([mine.kv[:lo], theirs.kv[lo:hi], mine.kv[hi:]])
+    return PrefixState(None, mine.length, mine.verified and theirs.verified, None, cached=None, expected=None, kv=kv)
 
 
 def _row_layers(kv: torch.Tensor, row: int, start: int, stop: int) -> KVLayers:

@@ -36,6 +36,7 @@ from replaynoise.engines.base import (
     ContinuationRequest, ContinuationResult, KeepLen, Rollout, RolloutRequest, SamplingSettings,
     VerificationError,
 )
+from replaynoise.passes import PrefixSource, as_source
 from replaynoise.progress import Phases
 from replaynoise.io import sha256_file, write_json
 
@@ -313,8 +314,14 @@ class VLLMEngine:
         """Tokens vLLM serves from cache for a prompt of ``prompt_len`` tokens whose prefix is all cached."""
         return ((prompt_len - 1) // self.block_size) * self.block_size
 
-    def run_batch(self, requests: list[ContinuationRequest], source: str,
+    def run_batch(self, requests: list[ContinuationRequest], source: str | PrefixSource,
                   sampling: SamplingSettings) -> list[ContinuationResult]:
+        spec = as_source(source)
+        if not spec.plain:
+            raise ValueError(f"prefix source {spec.label!r}: the vLLM engine keeps its KV inside vLLM, so it can "
+                             "neither transplant a cache nor change the precision of a prefix or continuation; "
+                             "run transplant and precision passes with engine: hf")
+        source = spec.kind
         prompts, checks = [], []
         for req in requests:
             if source == "decode_kv":

@@ -6,12 +6,12 @@ from snakemake.exceptions import WorkflowError
 
 sys.path.insert(0, workflow.basedir)
 
+from replaynoise.control_report import control_outputs  # noqa: E402
 from replaynoise.config import ConfigError, analysis_hash, check_config_file, validate_config  # noqa: E402
 from replaynoise.datasets import check_n_problems  # noqa: E402
 from replaynoise.figures import FROM_COMPARISONS, FROM_CREDIT, plot_options  # noqa: E402
 from replaynoise.models import model_source_files, resolve_model_spec  # noqa: E402
 from replaynoise.io import stable_hash  # noqa: E402
-from replaynoise.passes import PASSES  # noqa: E402
 from replaynoise.provenance import source_digest  # noqa: E402
 from replaynoise.shards import shard_names  # noqa: E402
 from replaynoise.tables import run_summary  # noqa: E402
@@ -160,6 +160,8 @@ def all_credit(wildcards=None):
 
 FIGURES_FROM_COMPARISONS = list(FROM_COMPARISONS)
 FIGURES_FROM_CREDIT = list(FROM_CREDIT)
+CONTROL_FIGURES = control_outputs(RUN_PASSES)["figures"]
+CONTROL_TABLES = control_outputs(RUN_PASSES)["tables"]
 
 
 def figure_outputs(name):
@@ -201,6 +203,7 @@ def manifest_inputs(wildcards=None):
         files += [f"results/analysis/{c}/comparison.json", f"results/analysis/{c}/channels.csv"]
     files += ["results/analysis/pooled/comparison.json"]
     files += [f"results/tables/headline.{ext}" for ext in ("csv", "md", "tex")]
+    files += [f"results/tables/{name}.{ext}" for name in CONTROL_TABLES for ext in ("csv", "md")]
     files += rules.figures.input
     return files
 

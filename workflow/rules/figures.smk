@@ -69,5 +69,6 @@ rule figure_channel_agreement:
 rule figures:
     localrule: True
     input:
-        expand("results/figures/{name}.{ext}", name=FIGURES_FROM_COMPARISONS + FIGURES_FROM_CREDIT + ["channel_agreement"],
+        expand("results/figures/{name}.{ext}",
+               name=FIGURES_FROM_COMPARISONS + FIGURES_FROM_CREDIT + ["channel_agreement"] + CONTROL_FIGURES,
                ext=["png", "pdf"]),

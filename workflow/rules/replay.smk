@@ -1,5 +1,5 @@
 # One rule per pass, each a separately cached step (method.md section 2). They differ only in the pass name,
-# which decides the prefix source and the noise stream (replaynoise.passes.PASSES). Each runs one job per
+# which decides the prefix source and the noise stream (replaynoise.passes.pass_spec). Each runs one job per
 # shard, over an equal share of the pass's batches, gathered by gather_pass.
 for _pass in RUN_PASSES:
 
@@ -18,7 +18,8 @@ for _pass in RUN_PASSES:
             pass_name=_pass,
             settings=settings,
             seed=config["seed"],
-            replay=config["replay"],
+            # the replay block but for its list of passes: adding a pass (a control) reruns no other pass
+            replay={key: value for key, value in config["replay"].items() if key != "passes"},
             topk=config["pivots"]["topk"],
             n_shards=len(SHARDS),
             work=f"results/work/{{config}}/{_pass}/{{shard}}",

@@ -1,0 +1,45 @@
+# The controls of method.md section 7 (cache transplants, precision arms): their figures and table, planned only
+# where replay.passes runs such passes (replaynoise.control_report.control_outputs).
+for _fig in CONTROL_FIGURES:
+
+    rule:
+        name:
+            f"figure_{_fig}"
+        localrule: True
+        input:
+            comparisons=expand("results/analysis/{config}/comparison.json", config=CONFIGS),
+        output:
+            **figure_outputs(_fig),
+        params:
+            code=code_version("control_report"),
+            figure=_fig,
+            configs=CONFIGS,
+        log:
+            f"{LOGS}/figure_{_fig}.log",
+        conda:
+            "../../envs/analysis.yaml"
+        script:
+            "../scripts/control_report.py"
+
+
+for _table in CONTROL_TABLES:
+
+    rule:
+        name:
+            f"table_{_table}"
+        localrule: True
+        input:
+            comparisons=expand("results/analysis/{config}/comparison.json", config=CONFIGS),
+        output:
+            csv=report(f"results/tables/{_table}.csv", caption=f"../report/{_table}.rst", category="Tables"),
+            md=f"results/tables/{_table}.md",
+        params:
+            code=code_version("control_report"),
+            configs=CONFIGS,
+            analysis_hash=ANALYSIS_HASH,
+        log:
+            f"{LOGS}/table_{_table}.log",
+        conda:
+            "../../envs/analysis.yaml"
+        script:
+            "../scripts/control_report.py"
