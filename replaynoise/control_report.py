@@ -116,6 +116,12 @@ def plot_transplant_layers(results: Mapping[str, dict] | None, out_png: PathLike
                 est, lo, hi = np.array([_err(p[1]) for p in points]).T
                 ax.errorbar(at, est, yerr=[lo, hi], fmt=style, color=f"C{i}", capsize=2, markersize=4,
                             label=f"{cfg}: {CHANNEL_LABELS[channel]}")
+                n = next((e["n_layers"] for e in block.values() if e.get("n_layers")), None)
+                if n is not None:  # no layer swapped: the exact pass itself (bitwise, tests/test_controls.py)
+                    none = 0 if side == "lo" else n
+                    ax.plot([none, at[0] if side == "lo" else at[-1]], [1.0, est[0] if side == "lo" else est[-1]],
+                            style[0], color=f"C{i}", alpha=0.4)
+                    ax.plot([none], [1.0], "o", mfc="white", color=f"C{i}", markersize=5)
         layers = [e.get("n_layers") for block in data.values() for e in block.values() if e.get("n_layers")]
         if layers:
             ax.set_xlim(-0.5, max(layers) + 0.5)
@@ -123,7 +129,7 @@ def plot_transplant_layers(results: Mapping[str, dict] | None, out_png: PathLike
         ax.set_xlabel("L (of n layers)", fontsize=8)
         ax.set_ylim(-0.02, 1.05)
         ax.tick_params(labelsize=7)
-    axes[0].set_ylabel("share identical with exact (the recipient)", fontsize=8)
+    axes[0].set_ylabel("share identical with exact (the recipient)\nhollow: no layer swapped, exact itself", fontsize=8)
     axes[1].legend(fontsize=6, loc="lower right")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()

@@ -141,8 +141,8 @@ def test_paper_preset_runs_on_cpu_shrunk_and_reports_the_papers_definitions(smol
     assert (headline["metric"] == "sign").all()
 
 
-CONTROLS = ["transplant_decode", "transplant_refeed", "transplant_refeed_lo15", "transplant_refeed_hi15",
-            "refeed_fp32", "exact_fp32cont", "refeed_fp32cont"]
+CONTROLS = ["transplant_decode", "transplant_refeed", "transplant_refeed_lo15", "refeed_fp32", "exact_fp32cont",
+            "refeed_fp32cont"]
 
 
 def test_control_passes_join_a_finished_run_without_rerunning_it_and_report_whom_they_follow(finished_run,
