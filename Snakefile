@@ -31,16 +31,16 @@ rule all:
     localrule: True
     input:
         lost_shards,
-        "results/MANIFEST.sha256",
-        "results/provenance.json",
-        "results/cost/cost.md",
+        MANIFEST,
+        PROVENANCE,
+        cost_file("md"),
 
 
 # The run's answer on the terminal, so a first run ends with what it measured and where the files are.
 onsuccess:
-    if Path("results/tables/headline.csv").is_file():
+    if Path(table_file("headline", "csv")).is_file():
         try:  # a courtesy: a table it cannot read (an older layout) must not fail a run that succeeded
-            print(run_summary("results/tables/headline.csv"))
+            print(run_summary(table_file("headline", "csv")))
         except Exception as exc:
             print(f"(no summary: results/tables/headline.csv could not be read: {exc})")
         print("Tables: results/tables/headline.{md,csv,tex}; figures: results/figures/; "

@@ -23,7 +23,7 @@ from replaynoise.engines.fast import StaticDecoder, _attend, _layer_in, _layer_o
 
 
 def bench(model, rows: int, prefix: int, steps: int, fused: bool) -> tuple[dict, torch.Tensor]:
-    decoder = StaticDecoder(model, rows, prefix + steps + 1, graphs=True)
+    decoder = StaticDecoder(model, rows, prefix + steps + 1, graphs=True, attention="gemm")
     if not fused:
         decoder.layer_in, decoder.attend, decoder.layer_out = _layer_in, _attend, _layer_out
     shape = (1, decoder.n_kv, prefix, decoder.head_dim)

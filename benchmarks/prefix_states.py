@@ -53,7 +53,7 @@ def measure(engine: HFEngine, prompt_len: int, rollouts: int, device: str) -> di
 
     def cold(fn):
         def go(req):
-            engine._files.clear()
+            engine.stored.clear()
             fn(req)
         return go
 

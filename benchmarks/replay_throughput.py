@@ -57,7 +57,7 @@ def timed(fn, device: str):
 
 def run_pass(engine: HFEngine, requests, source: str, sampling, batches: list[list[int]], device: str):
     """One pass from cold prefix states (they are part of a pass's cost), over the given batches of rows."""
-    engine._files.clear()  # prefix states are built per batch; stored KV files are the only thing kept
+    engine.stored.clear()  # prefix states are built per batch; stored KV files are the only thing kept
 
     def go():
         return [res for rows in batches for res in engine.run_batch([requests[i] for i in rows], source, sampling)]
@@ -71,7 +71,7 @@ def run_pass(engine: HFEngine, requests, source: str, sampling, batches: list[li
 def state_seconds(engine: HFEngine, requests, source: str, device: str) -> float:
     """Seconds to build every pivot's prefix state from cold, without decoding, all pivots in one batch: for
     exact, loading the stored KV and the re-step; for refeed, the prefill (and the stored KV for kv_maxdiff)."""
-    engine._files.clear()
+    engine.stored.clear()
     firsts = list({r.pivot_id: r for r in requests}.values())
     return timed(lambda: engine.prefix_states(firsts, source), device)[1]
 

@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from replaynoise.passes import REQUIRED_PASSES
 from replaynoise.stats import (
     METRIC_DEFINITIONS, METRICS, check_metric, classify_changes, cluster_ols_mean, Clusters, disagree,
     eligibility_sources, lattice_thetas, margin_split as margin_split_rates, mcnemar_z, mean_zero_unclustered,
     per_problem_t, probe_summary, ratio_stat, selection_at,
 )
 
-REQUIRED_PASSES = ("exact", "replica", "refeed")
 SELECTOR_PASS = "selector"
 #: The paper's two conditionings first (main is the default everywhere), then ours, then none.
 CONDITIONINGS = ("main", "treatment_independent", "informative", "selector", "none")

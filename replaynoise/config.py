@@ -21,7 +21,6 @@ SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
 DEFAULT_CONFIG_PATH = REPO_ROOT / "config" / "config.yaml"
 #: Sections that define the measurement; a change in any of them changes the pre-registration hash.
 PROTOCOL_SECTIONS = ("seed", "dataset", "prompt", "configs", "rollouts", "pivots", "replay", "analysis")
-REQUIRED_PASSES = ("exact", "replica", "refeed")
 #: Configuration names the workflow uses for its own outputs (results/analysis/pooled, the pooled table rows).
 RESERVED_CONFIG_NAMES = ("pooled",)
 

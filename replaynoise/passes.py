@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 
 BRANCHES = ("orig", "sub")
+#: The passes every run has: the measurement (exact, its replica, the re-feed).
+REQUIRED_PASSES = ("exact", "replica", "refeed")
 #: Where a continuation's prefix state comes from (method.md section 2).
 PREFIX_SOURCES = ("decode_kv", "refeed_ids", "refeed_text")
 

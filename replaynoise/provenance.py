@@ -164,6 +164,11 @@ def install_mode() -> str:
     return "pip"
 
 
+#: Environment variables a run's numbers depend on: the static decoder's attention kernel
+#: (replaynoise.engines.fast.STATIC_ATTENTION_VARIABLE, read where torch is; named here so the record needs none).
+RECORDED_VARIABLES = ("REPLAYNOISE_STATIC_ATTENTION",)
+
+
 def provenance_record(config: dict, analysis_hash: str, repo_dir: str | os.PathLike, **extra: Any) -> dict:
     """What a reviewer needs to trust the numbers: code, settings, deviations, software, hardware, seeds."""
 
@@ -177,6 +182,8 @@ def provenance_record(config: dict, analysis_hash: str, repo_dir: str | os.PathL
         "packages": package_versions(),
         "hardware": hardware(),
         "install_mode": install_mode(),
+        # variables that change how the numbers are computed (unset: the default)
+        "environment": {name: os.environ.get(name) for name in RECORDED_VARIABLES},
         **extra,
     }
 

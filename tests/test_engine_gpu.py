@@ -91,8 +91,7 @@ def test_static_decode_replays_its_graph_bitwise_and_matches_the_eager_step(mode
     _, requests = rollout_and_requests(eng, tmp_path)
     first = eng.run_batch(requests, "decode_kv", SAMPLING)
     again = eng.run_batch(requests, "decode_kv", SAMPLING)  # the captured graph, replayed on a new batch
-    eager = engine(model, "stock")
-    eager._graphs = False
+    eager = engine(model, "stock", graphs=False)
     plain = eager.run_batch(requests, "decode_kv", SAMPLING)
     for x, y, z in zip(first, again, plain):
         assert x.verified

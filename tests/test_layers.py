@@ -17,6 +17,8 @@ LAYERS = [
     ["packages", "grading", "pivots", "credit", "cost", "channels", "engines.sampling", "engines.base"],
     ["datasets"],
     ["models", "engines.kvfiles", "engines.fast", "engines.vllm"],
+    ["engines.states"],
+    ["engines.hf_rollouts"],
     ["engines.hf", "config", "rollouts", "replay", "analysis", "controls"],
     ["engines", "tables", "figures", "provenance"],
     ["control_report"],

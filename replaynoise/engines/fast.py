@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,22 @@ from replaynoise.engines.sampling import sample_rows
 log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------- CPU matmuls
+#: The static decoder's attention: ``sdpa`` (PyTorch picks the kernel), ``efficient`` (its memory-efficient
+#: kernel) or ``gemm`` (two batched GEMMs over the cache). ``REPLAYNOISE_STATIC_ATTENTION`` overrides the default
+#: for a run (a tuning knob of benchmarks/profile_step.py; provenance.json records it).
+STATIC_ATTENTIONS = ("sdpa", "efficient", "gemm")
+STATIC_ATTENTION = "sdpa"
+STATIC_ATTENTION_VARIABLE = "REPLAYNOISE_STATIC_ATTENTION"
+
+
+def static_attention() -> str:
+    """The attention the static decoders of this process use: the default, or the variable's value."""
+    value = os.environ.get(STATIC_ATTENTION_VARIABLE, STATIC_ATTENTION)
+    if value not in STATIC_ATTENTIONS:
+        raise ValueError(f"{STATIC_ATTENTION_VARIABLE}={value!r}: expected one of {STATIC_ATTENTIONS}")
+    return value
+
+
 class _Fp32Linear(torch.nn.Module):
     """A bf16/fp16 linear layer computed as a float32 GEMM (weights upcast once), output in the input's dtype."""
 
@@ -174,7 +191,7 @@ class StaticDecoder:
     Buffers are allocated once per (rows, length) and reused by later batches of the same shape, with the graph
     captured on them; ``graphs=False`` runs the same step eagerly (CPU tests, debugging)."""
 
-    def __init__(self, model, rows: int, length: int, *, graphs: bool, attention: str = "gemm") -> None:
+    def __init__(self, model, rows: int, length: int, *, graphs: bool, attention: str = STATIC_ATTENTION) -> None:
         cfg, inner = model.config, model.model
         attn = inner.layers[0].self_attn
         self.model, self.inner, self.rows, self.length = model, inner, rows, length
@@ -323,7 +340,7 @@ class AlignedDecoder(StaticDecoder):
     decode-time KV bit for bit. The engine must use one decoder shape for a configuration's rollouts and all
     its passes (``invariant_rows``, ``invariant_context``)."""
 
-    def __init__(self, model, rows: int, length: int, *, graphs: bool, attention: str = "gemm") -> None:
+    def __init__(self, model, rows: int, length: int, *, graphs: bool, attention: str = STATIC_ATTENTION) -> None:
         super().__init__(model, rows, length, graphs=graphs, attention=attention)
         self.write = torch.zeros(rows, device=self.device, dtype=torch.int64)
         self.forced = torch.zeros(rows, length, device=self.device, dtype=torch.int64)

@@ -13,24 +13,24 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from replaynoise.engines.base import (
-    ContinuationRequest, ContinuationResult, KeepLen, PrefixSource, Rollout, RolloutRequest, SamplingSettings,
-    VerificationError,
+    ContinuationRequest, ContinuationResult, PrefixSource, SamplingSettings, VerificationError,
 )
-from replaynoise.engines.fast import AlignedDecoder, StaticDecoder, static_decode_supported, use_fp32_matmul
-from replaynoise.engines.kvfiles import KVLayers, parse_kv, read_kv_bytes, save_kv, stack_layers
-from replaynoise.engines.sampling import (
-    RowSampler, digest_rows, digest_strings, logits_digest, sample_rows, topk_logprobs, topk_rows,
+from replaynoise.engines.fast import (
+    AlignedDecoder, StaticDecoder, static_attention, static_decode_supported, use_fp32_matmul,
+)
+from replaynoise.engines.hf_rollouts import HFRollouts
+from replaynoise.engines.kvfiles import stack_layers
+from replaynoise.engines.sampling import digest_rows, digest_strings, sample_rows, topk_rows
+from replaynoise.engines.states import (
+    PrefixState, StoredKV, bucket, cache_layers, left_padded_cache, row_bucket, transplant,
 )
 from replaynoise.models import eos_token_ids
 from replaynoise.passes import as_source
@@ -50,43 +50,15 @@ CPU_MATMULS = ("fp32", "native")
 #: execution plan for every new shape, 1.8 ms of host time per layer and forward on an H200 (measured,
 #: benchmarks/profile_pass.py), and nearly every batch of a pass has shapes of its own. CPUs never use it.
 EAGER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-#: threads that serialise, hash and write (or read and hash) stored KV files while the main thread goes on:
-#: hashing and file I/O release the GIL
-IO_THREADS = 8
 
 
-@dataclass
-class PrefixState:
-    """The KV of one pivot's prefix (batch 1) and what we know about how faithful it is."""
-
-    #: per-layer (k, v), or None where ``kv`` holds them all (``per_layer`` gives the views)
-    layers: KVLayers | None
-    length: int
-    #: the state is the decode-time state (decode_kv: the recorded file, computed from these ids); re-feed: True
-    verified: bool
-    kv_maxdiff: list[float] | None
-    #: prefix positions taken from stored KV (decode_kv: all of them; a re-feed prefills all: 0)
-    cached: int | None = 0
-    expected: int | None = None
-    restep_match: bool | None = None
-    #: the same KV stacked, [layers, 2, 1, kv_heads, length, head_dim] (None where layers differ in shape):
-    #: batches are assembled with one copy per row instead of one per row and layer
-    kv: torch.Tensor | None = None
-
-    def per_layer(self) -> KVLayers:
-        return self.layers if self.layers is not None else [(kv[0], kv[1]) for kv in self.kv]
-
-    def stacked(self) -> torch.Tensor:
-        """The KV as one [layers, 2, 1, kv_heads, length, head_dim] tensor (what the invariant decoder loads)."""
-        return self.kv if self.kv is not None else stack_layers(self.per_layer())
-
-
-class HFEngine:
+class HFEngine(HFRollouts):
     name = "hf"
 
     def __init__(self, model, tokenizer, *, kernels: str = "stock", topk: int = 5, decode: str = "auto",
                  cpu_matmul: str = "fp32", cache_gib: float | None = None, invariant_rows: int = 64,
-                 invariant_context: int = 1024, stop_ids: set[int] | frozenset = frozenset()) -> None:
+                 invariant_context: int = 1024, stop_ids: set[int] | frozenset = frozenset(),
+                 graphs: bool = True) -> None:
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
         if decode not in DECODE_MODES:
@@ -109,17 +81,15 @@ class HFEngine:
         self.invariant_shape = (invariant_rows, invariant_context)
         self._aligned_decoder: AlignedDecoder | None = None
         self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
-        self._graphs = True  # CUDA graphs for the static decode (tests turn them off to compare)
-        self.attention = os.environ.get("REPLAYNOISE_STATIC_ATTENTION", "sdpa")  # sdpa | efficient | gemm
+        self._graphs = graphs  # CUDA graphs for the static decode (off: each step eager, to compare against)
+        self.attention = static_attention()
         self.topk = topk
         self.stop_ids = set(stop_ids)  # text tokens that end a response (configs.X.stop) as the EOS ids do
         self.eos_ids = eos_token_ids(model.generation_config, tokenizer) | self.stop_ids
         # Stored KV files stay on the device for the pass, within a byte budget (the rows of one pivot are spread
         # over many batches by the schedule): 8 GiB on a GPU, 1 GiB on a CPU.
-        self._file_budget = int((cache_gib if cache_gib is not None else 8 if self.device.type == "cuda" else 1)
-                                * 2**30)
-        self._files: OrderedDict[str, tuple[tuple[KVLayers, list[int] | None, torch.Tensor | None], int]] = (
-            OrderedDict())
+        self.stored = StoredKV(self.device, int((cache_gib if cache_gib is not None else
+                                                 8 if self.device.type == "cuda" else 1) * 2**30))
         self.phases = Phases(torch.cuda.synchronize if self.device.type == "cuda" else None)
         self._copies: dict[str, torch.nn.Module] = {}  # the model in another dtype (precision controls)
 
@@ -180,141 +150,7 @@ class HFEngine:
             layer.values.masked_fill_(padding, 0)
         return cache, logits, mask
 
-    # ----------------------------------------------------------------------------------------- rollouts
-    @torch.inference_mode()
-    def generate_rollouts(self, requests: list[RolloutRequest], sampling: SamplingSettings, kv_dir: Path,
-                          keep_len: KeepLen) -> list[Rollout]:
-        """All requests as one batch (stock: left-padded prefill, then one decode step for every row at once; each
-        row's own, unpadded decode-time KV is kept); invariant: in the invariant decoder, ``invariant_rows`` at a
-        time, or, without static decode, one token of one row per forward."""
-        if self.aligned:
-            rows = [row for start in range(0, len(requests), self.invariant_shape[0])
-                    for row in self._generate_aligned(requests[start:start + self.invariant_shape[0]], sampling)]
-        elif self.static:
-            rows = self._generate_static(requests, sampling)  # times its own phases
-        else:
-            with self.phases("generate"):
-                rows = ([self._generate_one(req, sampling) for req in requests] if self.invariant
-                        else self._generate_dynamic(requests, sampling))
-        with self.phases("store KV"), ThreadPoolExecutor(IO_THREADS) as pool:
-            saving = []
-            for req, (rollout, layers) in zip(requests, rows):
-                keep = min(keep_len(rollout), layers[0][0].shape[-2])
-                if keep > 0:
-                    path = Path(kv_dir) / f"{req.key}.safetensors"
-                    ids = (rollout.prompt_ids + rollout.response_ids)[:keep]
-                    saving.append((rollout, pool.submit(save_kv, layers, keep, path, ids=ids)))
-                    rollout.kv_file, rollout.kv_len = str(path), keep
-            for rollout, sha in saving:
-                rollout.kv_sha256 = sha.result()
-        return [rollout for rollout, _ in rows]
-
-    def _generate_one(self, req: RolloutRequest, sampling: SamplingSettings) -> tuple[Rollout, KVLayers]:
-        sampler = RowSampler(req.seed, sampling.temperature, sampling.top_p)
-        cache, logits = self._prefill(list(req.prompt_ids))
-        response, top_ids, top_lps, digests = [], [], [], []
-        finish = "length"
-        for step in range(sampling.max_new_tokens):
-            ids, lps = topk_logprobs(logits, self.topk)
-            top_ids.append(ids)
-            top_lps.append(lps)
-            digests.append(logits_digest(logits))
-            token = sampler.sample(logits)
-            response.append(token)
-            if token in self.eos_ids:
-                finish = "eos"
-                break
-            if step + 1 < sampling.max_new_tokens:
-                logits = self._step(torch.tensor([[token]]), cache)[0]
-        rollout = Rollout(req.problem_id, list(req.prompt_ids), response, top_ids, top_lps, digests, finish,
-                          rollout=req.rollout)
-        return rollout, cache_layers(cache)
-
-    def _rollout_of(self, req: RolloutRequest, tokens: list[int], top_ids, top_lps, digests) -> Rollout:
-        """A row's rollout from its sampled tokens (cut after the first end-of-sequence token) and per-step
-        records (host lists, one entry per step)."""
-        end = next((j for j, t in enumerate(tokens) if t in self.eos_ids), None)
-        n = len(tokens) if end is None else end + 1
-        return Rollout(req.problem_id, list(req.prompt_ids), tokens[:n], top_ids[:n], top_lps[:n],
-                       digest_strings(digests[:n]), "length" if end is None else "eos", rollout=req.rollout)
-
-    @torch.inference_mode()
-    def _generate_dynamic(self, requests: list[RolloutRequest], sampling: SamplingSettings
-                          ) -> list[tuple[Rollout, KVLayers]]:
-        """Batched rollouts on an HF DynamicCache; finished rows leave the batch (their KV sliced out first)."""
-        n, steps, k = len(requests), sampling.max_new_tokens, self.topk
-        cache, logits, mask = self._prefill_batch([list(r.prompt_ids) for r in requests])
-        pads = (mask.shape[1] - mask.sum(-1)).tolist()
-        seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=self.device)
-        positions = mask.sum(-1).to(self.device)
-        mask = mask.to(self.device)
-        dev = dict(device=self.device)
-        top_ids = torch.zeros(n, steps, k, dtype=torch.int64, **dev)
-        top_lps = torch.zeros(n, steps, k, dtype=torch.float32, **dev)
-        digests = torch.zeros(n, steps, 2, dtype=torch.int64, **dev)
-        sampled = torch.zeros(n, steps, dtype=torch.int64, **dev)
-        active = torch.arange(n, **dev)
-        out: list = [None] * n
-        for step in range(steps):
-            top_ids[active, step], top_lps[active, step] = topk_rows(logits, k)
-            digests[active, step] = digest_rows(logits)
-            tokens = sample_rows(logits, seeds[active], torch.full_like(active, step), sampling.temperature,
-                                 sampling.top_p)
-            sampled[active, step] = tokens
-            done = torch.isin(tokens, torch.tensor(sorted(self.eos_ids), **dev)) | (step + 1 == steps)
-            if bool(done.any()):
-                rows = active[done].tolist()
-                host = [t[rows, :step + 1].tolist() for t in (sampled, top_ids, top_lps, digests)]
-                for slot, (row, *records) in zip(done.nonzero()[:, 0].tolist(), zip(rows, *host)):
-                    rollout = self._rollout_of(requests[row], *records)
-                    start = pads[row]
-                    length = len(rollout.prompt_ids) + len(rollout.response_ids) - 1
-                    out[row] = (rollout, [(layer.keys[slot:slot + 1, :, start:start + length].clone(),
-                                           layer.values[slot:slot + 1, :, start:start + length].clone())
-                                          for layer in cache.layers])
-                if bool(done.all()):
-                    break
-                keep = (~done).nonzero()[:, 0]
-                cache.batch_select_indices(keep)
-                mask, positions, active, tokens = mask[keep], positions[keep], active[keep], tokens[keep]
-            mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype, **dev)], dim=1)
-            logits = self._step(tokens[:, None], cache, attention_mask=mask, position_ids=positions[:, None])
-            positions = positions + 1
-        return out
-
-    @torch.inference_mode()
-    def _generate_static(self, requests: list[RolloutRequest], sampling: SamplingSettings
-                         ) -> list[tuple[Rollout, KVLayers]]:
-        """Batched rollouts in a static cache: the batch's prompts prefilled together, then one captured graph
-        replay per step for all rows; top-k, digests and tokens stay on the device until the batch ends."""
-        n, steps = len(requests), sampling.max_new_tokens
-        prompts = [list(r.prompt_ids) for r in requests]
-        with self.phases("prefill"):
-            cache, logits, mask = self._prefill_batch(prompts)
-            longest = mask.shape[1]
-            records = self._step_records(n, steps)
-            seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=self.device)
-            top_ids, top_lps, digests, sampled = records
-            top_ids[:, 0], top_lps[:, 0] = topk_rows(logits, self.topk)
-            digests[:, 0] = digest_rows(logits)
-            sampled[:, 0] = sample_rows(logits, seeds, torch.zeros_like(seeds), sampling.temperature,
-                                        sampling.top_p)
-            stacked = stack_layers(cache_layers(cache))
-            layers = [stacked[:, :, r:r + 1, :, longest - len(p):] for r, p in enumerate(prompts)]
-        with self.phases("load states"):
-            decoder = self._decoder(n, _bucket(longest + steps + 1))
-            decoder.load(layers, [len(p) for p in prompts], list(range(n)), [r.seed for r in requests],
-                         sampled[:, 0].tolist(), (sampling.temperature, sampling.top_p))
-            del cache, layers, stacked
-            decoder.step_no.fill_(1)  # token 0 came from the prefill: the decode samples steps 1, 2, ...
-        last, host = self._record_steps(decoder, records, range(1, steps), n, before=0)
-        with self.phases("results to host"):
-            # the whole batch's KV to the host in one copy (not one per row and layer); rows are views of it
-            kv = decoder.kv[:, :, :n, :, :longest + last].cpu()
-        rollouts = [self._rollout_of(req, *rec) for req, *rec in zip(requests, *host)]
-        return [(r, _row_layers(kv, row, longest - len(r.prompt_ids), longest + len(r.response_ids) - 1))
-                for row, r in enumerate(rollouts)]
-
+    # ----------------------------------------------------------------------------------------- decoders
     def _aligned(self) -> AlignedDecoder:
         """The configuration's one invariant decoder (built once: its shape is fixed by the configuration)."""
         if self._aligned_decoder is None:
@@ -322,54 +158,6 @@ class HFEngine:
             self._aligned_decoder = AlignedDecoder(self.model, rows, length, graphs=self._graphs,
                                                    attention=self.attention)
         return self._aligned_decoder
-
-    @torch.inference_mode()
-    def _generate_aligned(self, requests: list[RolloutRequest], sampling: SamplingSettings
-                          ) -> list[tuple[Rollout, KVLayers]]:
-        """Invariant rollouts of at most ``invariant_rows`` requests: the prompts fed by decode steps, then one
-        step per token; a row's KV is slots [0, n) of the decoder, its own positions."""
-        n, steps = len(requests), sampling.max_new_tokens
-        prompts = [list(r.prompt_ids) for r in requests]
-        decoder = self._aligned()
-        decoder.check_fits(max(map(len, prompts)) - 1 + steps)
-        with self.phases("prefill"):
-            decoder.prefill(prompts)
-            decoder.start([len(p) - 1 for p in prompts], [p[-1] for p in prompts], [r.seed for r in requests],
-                          (sampling.temperature, sampling.top_p))
-        last, host = self._record_steps(decoder, self._step_records(decoder.rows, steps), range(steps), n)
-        with self.phases("results to host"):
-            # a copy also on a CPU (.cpu() would alias the decoder, which the next chunk overwrites)
-            kv = decoder.kv[:, :, :n, :, :max(map(len, prompts)) + last].to("cpu", copy=True)
-        rollouts = [self._rollout_of(req, *rec) for req, *rec in zip(requests, *host)]
-        return [(r, _row_layers(kv, row, 0, len(r.prompt_ids) + len(r.response_ids) - 1))
-                for row, r in enumerate(rollouts)]
-
-    def _step_records(self, rows: int, steps: int) -> tuple[torch.Tensor, ...]:
-        """Device buffers of a rollout batch's per-step records: top-k ids, top-k log-probs, digests, tokens."""
-        dev = dict(device=self.device)
-        return (torch.zeros(rows, steps, self.topk, dtype=torch.int64, **dev),
-                torch.zeros(rows, steps, self.topk, dtype=torch.float32, **dev),
-                torch.zeros(rows, steps, 2, dtype=torch.int64, **dev),
-                torch.zeros(rows, steps, dtype=torch.int64, **dev))
-
-    def _record_steps(self, decoder: StaticDecoder, records: tuple[torch.Tensor, ...], steps: range, n: int,
-                      before: int = -1) -> tuple[int, list]:
-        """Decode rollout ``steps`` until the first ``n`` rows have all ended, recording every step on the
-        device; returns the last step run and those rows' records on the host (tokens, top-k ids, top-k
-        log-probs, digests: the argument order of ``_rollout_of``)."""
-        top_ids, top_lps, digests, sampled = records
-        eos = torch.tensor(sorted(self.eos_ids), device=self.device)
-
-        def record(step: int) -> bool:
-            logits, tokens = decoder.step()
-            top_ids[:, step], top_lps[:, step] = topk_rows(logits, self.topk)
-            digests[:, step] = digest_rows(logits)
-            sampled[:, step] = tokens
-            return step % 16 == 15 and bool(torch.isin(sampled[:n, :step + 1], eos).any(dim=1).all())
-
-        last = self._run_steps(decoder, steps, record, before=before)
-        with self.phases("results to host"):
-            return last, [t[:n, :last + 1].tolist() for t in (sampled, top_ids, top_lps, digests)]
 
     # ----------------------------------------------------------------------------------------- prefix states
     def prefix_state(self, req: ContinuationRequest, source: str | PrefixSource) -> PrefixState:
@@ -387,11 +175,11 @@ class HFEngine:
         source = as_source(source)
         todo = list({req.pivot_id: req for req in requests}.values())
         with self.phases("prefix states"):
-            self._load_stored([req for req in todo if req.kv_file is not None])
+            self.stored.load_ahead([req for req in todo if req.kv_file is not None])
             built = self._states_of(source.kind, todo, source.prefix_dtype)
             if source.donor is not None:
                 donors = self._states_of(source.donor, todo)
-                built = self._drift(todo, [_transplant(req, mine, theirs, source.layers) for req, mine, theirs
+                built = self.stored.drift(todo, [transplant(req, mine, theirs, source.layers) for req, mine, theirs
                                            in zip(todo, built, donors)])
         if source.kind == "decode_kv" and source.donor is None:
             wanted = {req.pivot_id for req in requests if req.restep}
@@ -412,54 +200,12 @@ class HFEngine:
                for req in requests]
         return self._refeed_states(requests, ids, prefix_dtype)
 
-    def _load_stored(self, requests: list[ContinuationRequest]) -> None:
-        """Read (and hash) the batch's stored KV files not yet on the device, in parallel threads, a few at a
-        time (at most ``IO_THREADS`` files' bytes in host memory at once) and no more than the device budget
-        holds (the rest load one by one as their states are built)."""
-        missing = list({req.kv_file: req.kv_sha256 for req in requests if req.kv_file not in self._files}.items())
-        room, ahead = self._file_budget, []
-        for item in missing:
-            room -= os.path.getsize(item[0]) if os.path.exists(item[0]) else 0
-            if room < 0:
-                break
-            ahead.append(item)
-        if not ahead:
-            return
-        with ThreadPoolExecutor(IO_THREADS) as pool:
-            for start in range(0, len(ahead), IO_THREADS):
-                chunk = ahead[start:start + IO_THREADS]
-                for (kv_file, _), data in zip(chunk, pool.map(lambda item: read_kv_bytes(*item), chunk)):
-                    self._stored(kv_file, data=data)
-
-    @staticmethod
-    def _remember(cache: OrderedDict, key, value, nbytes: int, budget: int) -> None:
-        """Keep ``value`` in a least-recently-used cache bounded by bytes (at least the newest entry stays)."""
-        cache[key] = (value, nbytes)
-        total = sum(size for _, size in cache.values())
-        while total > budget and len(cache) > 1:
-            _, (_, size) = cache.popitem(last=False)
-            total -= size
-
-    def _stored(self, kv_file: str, expected_sha256: str | None = None, data: bytes | None = None
-                ) -> tuple[KVLayers, list[int] | None, torch.Tensor | None]:
-        """A rollout's stored KV (per layer, the ids it was computed from, and stacked where the layers allow),
-        loaded (and its checksum checked) once, then kept on the device for the pass. ``data``: the file's bytes,
-        already read and checked."""
-        if kv_file not in self._files:
-            if data is None:
-                data = read_kv_bytes(kv_file, expected_sha256)
-            layers, ids, stacked = parse_kv(data, kv_file, device=self.device)
-            nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-            self._remember(self._files, kv_file, (layers, ids, stacked), nbytes, self._file_budget)
-        self._files.move_to_end(kv_file)
-        return self._files[kv_file][0]
-
     def _decode_state(self, req: ContinuationRequest) -> PrefixState:
         """The stored decode-time KV cropped to the pivot. It is the decode-time state when the file is the one
         recorded at capture (sha256, checked on load) and the ids it was computed from are the prefix's."""
         if req.kv_file is None:
             raise VerificationError(f"pivot {req.pivot_id}: no stored KV to resume from")
-        stored, ids, stacked = self._stored(req.kv_file, req.kv_sha256)
+        stored, ids, stacked = self.stored.get(req.kv_file, req.kv_sha256)
         length = len(req.prefix_ids)
         if stored[0][0].shape[-2] < length:
             raise VerificationError(
@@ -488,7 +234,7 @@ class HFEngine:
                        if states[i].kv is not None else
                        PrefixState([(k[..., :-1, :], v[..., :-1, :]) for k, v in states[i].layers],
                                    states[i].length - 1, True, None) for i in group]
-            cache, mask = _left_padded_cache(shorter)
+            cache, mask = left_padded_cache(shorter)
             mask = torch.cat([mask, torch.ones(len(group), 1, dtype=mask.dtype)], dim=1)
             kwargs = {} if self.invariant else {
                 "attention_mask": mask.to(self.device),
@@ -546,24 +292,7 @@ class HFEngine:
             whole, longest = stack_layers(cache_layers(cache)), mask.shape[1]
             del cache
             stacks = [whole[:, :, r:r + 1, :, longest - len(seq):] for r, seq in enumerate(seqs)]
-        return self._drift(requests, [PrefixState(None, len(seq), True, None, kv=kv) for seq, kv in zip(seqs, stacks)])
-
-    def _drift(self, requests: list[ContinuationRequest], states: list[PrefixState]) -> list[PrefixState]:
-        """Record in each state how far its KV is from the stored decode-time KV of the same prefix (max |dKV| per
-        layer), where both are at hand."""
-        diffs = []
-        for req, state in zip(requests, states):
-            diff = None
-            if req.kv_file is not None and state.kv is not None and state.length == len(req.prefix_ids):
-                stored = self._stored(req.kv_file, req.kv_sha256)[2]
-                if stored is not None and stored.shape[-2] >= state.length:
-                    diff = (state.kv - stored[..., :state.length, :]).abs().flatten(1).amax(-1).float()  # per layer
-            diffs.append(diff)
-        measured = [i for i, d in enumerate(diffs) if d is not None]
-        if measured:  # one host copy for all
-            for i, values in zip(measured, torch.stack([diffs[i] for i in measured]).tolist()):
-                states[i].kv_maxdiff = values
-        return states
+        return self.stored.drift(requests, [PrefixState(None, len(seq), True, None, kv=kv) for seq, kv in zip(seqs, stacks)])
 
     # ----------------------------------------------------------------------------------------- continuations
     @torch.inference_mode()
@@ -613,7 +342,7 @@ class HFEngine:
                   sampling: SamplingSettings, model: torch.nn.Module | None = None) -> list[ContinuationResult]:
         """Decode all rows together from their prefix states; finished rows leave the batch."""
         n = len(requests)
-        cache, mask = _left_padded_cache(states)
+        cache, mask = left_padded_cache(states)
         seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=self.device)
         positions = torch.tensor([s.length for s in states])
         tokens = torch.tensor([r.branch_token for r in requests])
@@ -687,8 +416,8 @@ class HFEngine:
                          sampling: SamplingSettings) -> list[ContinuationResult]:
         """Decode all rows together in a static cache (one graph replay per step)."""
         n, steps = len(requests), sampling.max_new_tokens
-        length = _bucket(max(s.length for s in states) + steps + 1)  # bucketed: the batches of a pass share a graph
-        rows = _row_bucket(n)
+        length = bucket(max(s.length for s in states) + steps + 1)  # bucketed: the batches of a pass share a graph
+        rows = row_bucket(n)
         if rows > n:  # a short batch runs padded to a power of two (the full batches' shape where the batch size
             # is one) with copies of its first row whose results are dropped: the shape, and so the numbers,
             # depend on the batch alone, not on which decoders this process built before a resume
@@ -710,7 +439,7 @@ class HFEngine:
     def _continue_aligned(self, requests: list[ContinuationRequest], states: list[PrefixState],
                           sampling: SamplingSettings) -> list[ContinuationResult]:
         """Decode at most ``invariant_rows`` rows in the invariant decoder, each from its own prefix state."""
-        n, steps = len(requests), sampling.max_new_tokens
+        steps = sampling.max_new_tokens
         decoder = self._aligned()
         decoder.check_fits(max(s.length for s in states) + steps)
         with self.phases("load states"):
@@ -746,69 +475,3 @@ class HFEngine:
             tokens_i, finish = (row[:end + 1], "eos") if end is not None else (row, "length")
             results.append(self._result(req, tokens_i, finish, s, tuple(f[i] for f in firsts)))
         return results
-
-
-def _transplant(req: ContinuationRequest, mine: PrefixState, theirs: PrefixState,
-                layers: tuple[int, int | None]) -> PrefixState:
-    """``mine`` with the KV of layers [lo, hi) replaced by ``theirs`` (the same prefix, built another way). It is
-    the decode-time state only where both parts are verified; no prefix position counts as read from a cache."""
-    if mine.kv is None or theirs.kv is None:
-        raise ValueError(f"pivot {req.pivot_id}: a cache transplant needs every layer's KV in one shape; this "
-                         "model's layers differ (a sliding-window layer keeps only its window)")
-    if mine.length != theirs.length:
-        raise ValueError(f"pivot {req.pivot_id}: donor and recipient prefixes differ in length "
-                         f"({theirs.length} and {mine.length})")
-    n = mine.kv.shape[0]
-    lo, hi = layers[0], n if layers[1] is None else layers[1]
-    if not 0 <= lo <= hi <= n:
-        raise ValueError(f"transplant layers [{lo}, {hi}) are outside this model's {n} layers")
-    kv = torch.cat([mine.kv[:lo], theirs.kv[lo:hi], mine.kv[hi:]])
-    return PrefixState(None, mine.length, mine.verified and theirs.verified, None, cached=None, expected=None, kv=kv)
-
-
-def _row_layers(kv: torch.Tensor, row: int, start: int, stop: int) -> KVLayers:
-    """Row ``row``'s positions [start, stop) of a batch's stacked KV [layers, 2, rows, heads, slots, dim], as
-    per-layer views."""
-    return [(layer[0, row:row + 1, :, start:stop], layer[1, row:row + 1, :, start:stop]) for layer in kv]
-
-
-def _row_bucket(rows: int) -> int:
-    """Static decoder rows: the next power of two, so a pass's short last batch shares the full batches'
-    decoder (one compilation and graph capture per pass) whenever the batch size is a power of two."""
-    return 1 << max(0, rows - 1).bit_length()
-
-
-def _bucket(length: int, step: int = 256) -> int:
-    """Static cache lengths rounded up to a multiple of ``step``: every batch of a pass (and of a rollout step)
-    then shares one decoder, one compiled kernel set and one captured graph."""
-    return -(-length // step) * step
-
-
-def _left_padded_cache(states: list[PrefixState]) -> tuple[DynamicCache, torch.Tensor]:
-    """One cache for rows of different prefix lengths: each row right-aligned, padding masked out."""
-    longest = max(s.length for s in states)
-    mask = torch.zeros(len(states), longest, dtype=torch.long)
-    if all(s.kv is not None for s in states):  # one copy per row into one buffer, views per layer
-        first = states[0].kv
-        buffer = first.new_zeros(first.shape[0], 2, len(states), first.shape[3], longest, first.shape[5])
-        for row, state in enumerate(states):
-            buffer[:, :, row, :, longest - state.length:] = state.kv[:, :, 0]
-            mask[row, longest - state.length:] = 1
-        return DynamicCache(ddp_cache_data=[(buffer[i, 0], buffer[i, 1]) for i in range(buffer.shape[0])]), mask
-    layers = []
-    per_layer = [state.per_layer() for state in states]
-    for layer in range(len(per_layer[0])):
-        keys, values = [], []
-        for row, state in enumerate(states):
-            k, v = per_layer[row][layer]
-            pad = longest - state.length
-            keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
-            values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
-            if layer == 0:
-                mask[row, pad:] = 1
-        layers.append((torch.cat(keys), torch.cat(values)))
-    return DynamicCache(ddp_cache_data=layers), mask
-
-
-def cache_layers(cache: DynamicCache) -> KVLayers:
-    return [(layer.keys, layer.values) for layer in cache.layers]

@@ -4,9 +4,9 @@ rule compare_passes:
         credit=lambda w: [credit_file(w.config, p) for p in RUN_PASSES],
         passes=lambda w: [pass_file(w.config, p) for p in RUN_PASSES],
     output:
-        comparison="results/analysis/{config}/comparison.json",
+        comparison=comparison_file("{config}"),
         channels=report(
-            "results/analysis/{config}/channels.csv",
+            channels_file("{config}"),
             caption="../report/channels.rst",
             category="Tables",
             subcategory="{config}",
@@ -31,7 +31,7 @@ rule compare_pooled:
     input:
         credit=all_credit,
     output:
-        "results/analysis/pooled/comparison.json",
+        comparison_file("pooled"),
     params:
         code=code_version("compare_pooled"),
         analysis=config["analysis"],
@@ -50,12 +50,12 @@ rule compare_pooled:
 rule headline_tables:
     localrule: True
     input:
-        configs=expand("results/analysis/{config}/comparison.json", config=CONFIGS),
-        pooled="results/analysis/pooled/comparison.json",
+        configs=all_comparisons,
+        pooled=comparison_file("pooled"),
     output:
-        csv=report("results/tables/headline.csv", caption="../report/headline.rst", category="Tables"),
-        md="results/tables/headline.md",
-        tex="results/tables/headline.tex",
+        csv=report(table_file("headline", "csv"), caption="../report/headline.rst", category="Tables"),
+        md=table_file("headline", "md"),
+        tex=table_file("headline", "tex"),
     params:
         code=code_version("headline_tables"),
         configs=CONFIGS,

@@ -84,12 +84,57 @@ def user_inputs():
         config["configs"][c]["model"])})
 
 
-def problems_file():
-    return f"results/problems/{dataset_name()}.parquet"
+# ------------------------------------------------------------------------------------------------ paths
+# One function per artifact, used by the rules, the manifest and the cost statement alike: the DAG is written once.
+# A wildcard is passed as its pattern ("{config}"); a value gives the concrete file.
+MANIFEST = "results/MANIFEST.sha256"
+PROVENANCE = "results/provenance.json"
+
+
+def problems_file(dataset=None):
+    return f"results/problems/{dataset_name() if dataset is None else dataset}.parquet"
+
+
+def model_path(key):
+    return f"results/models/{key}"
 
 
 def model_dir(wildcards):
-    return f"results/models/{model_key(wildcards.config)}"
+    return model_path(model_key(wildcards.config))
+
+
+def rollouts_file(config_name):
+    return f"results/rollouts/{config_name}/rollouts.parquet"
+
+
+def pivots_file(config_name):
+    return f"results/pivots/{config_name}.parquet"
+
+
+def work_dir(config_name, step, shard):
+    """Resumable scratch of one job (keyed by what produced it, replaynoise.io.keyed_scratch)."""
+    return f"results/work/{config_name}/{step}/{shard}"
+
+
+def comparison_file(config_name):
+    """One configuration's statistics, or the pooled ones (``config_name`` "pooled")."""
+    return f"results/analysis/{config_name}/comparison.json"
+
+
+def channels_file(config_name):
+    return f"results/analysis/{config_name}/channels.csv"
+
+
+def table_file(name, ext):
+    return f"results/tables/{name}.{ext}"
+
+
+def figure_file(name, ext):
+    return f"results/figures/{name}.{ext}"
+
+
+def cost_file(ext):
+    return f"results/cost/cost.{ext}"
 
 
 def settings(wildcards):
@@ -158,6 +203,10 @@ def all_credit(wildcards=None):
     return [credit_file(c, p) for c in CONFIGS for p in RUN_PASSES]
 
 
+def all_comparisons(wildcards=None):
+    return [comparison_file(c) for c in CONFIGS]
+
+
 FIGURES_FROM_COMPARISONS = list(FROM_COMPARISONS)
 FIGURES_FROM_CREDIT = list(FROM_CREDIT)
 CONTROL_FIGURES = control_outputs(RUN_PASSES)["figures"]
@@ -167,11 +216,11 @@ CONTROL_TABLES = control_outputs(RUN_PASSES)["tables"]
 def figure_outputs(name):
     return {
         "png": report(
-            f"results/figures/{name}.png",
+            figure_file(name, "png"),
             caption=f"../report/{name}.rst",
             category="Figures",
         ),
-        "pdf": f"results/figures/{name}.pdf",
+        "pdf": figure_file(name, "pdf"),
     }
 
 
@@ -180,7 +229,7 @@ def lost_shards(wildcards=None):
     finished run, so the default target stays short)."""
     lost = []
     for c in CONFIGS:
-        gathered = [(f"results/rollouts/{c}/rollouts.parquet",
+        gathered = [(rollouts_file(c),
                      [rollout_shard_file(c, s) for s in SHARDS] + [kv_dir(c, s) for s in SHARDS])]
         gathered += [(pass_file(c, p), [pass_shard_file(c, p, s) for s in SHARDS]) for p in RUN_PASSES]
         for table, shards in gathered:
@@ -194,16 +243,16 @@ def lost_shards(wildcards=None):
 def manifest_inputs(wildcards=None):
     """Every output of the DAG, so the manifest covers exactly this configuration's results."""
     files = [problems_file()]
-    files += sorted({f"results/models/{model_key(c)}" for c in CONFIGS})
+    files += sorted({model_path(model_key(c)) for c in CONFIGS})
     for c in CONFIGS:
         files += [rollout_shard_file(c, s) for s in SHARDS] + [kv_dir(c, s) for s in SHARDS]
-        files += [f"results/rollouts/{c}/rollouts.parquet", kv_index_file(c), f"results/pivots/{c}.parquet"]
+        files += [rollouts_file(c), kv_index_file(c), pivots_file(c)]
         files += [pass_shard_file(c, p, s) for p in RUN_PASSES for s in SHARDS]
         files += [pass_file(c, p) for p in RUN_PASSES] + [credit_file(c, p) for p in RUN_PASSES]
-        files += [f"results/analysis/{c}/comparison.json", f"results/analysis/{c}/channels.csv"]
-    files += ["results/analysis/pooled/comparison.json"]
-    files += [f"results/tables/headline.{ext}" for ext in ("csv", "md", "tex")]
-    files += [f"results/tables/{name}.{ext}" for name in CONTROL_TABLES for ext in ("csv", "md")]
+        files += [comparison_file(c), channels_file(c)]
+    files += [comparison_file("pooled")]
+    files += [table_file("headline", ext) for ext in ("csv", "md", "tex")]
+    files += [table_file(name, ext) for name in CONTROL_TABLES for ext in ("csv", "md")]
     files += rules.figures.input
     return files
 

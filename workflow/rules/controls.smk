@@ -7,7 +7,7 @@ for _fig in CONTROL_FIGURES:
             f"figure_{_fig}"
         localrule: True
         input:
-            comparisons=expand("results/analysis/{config}/comparison.json", config=CONFIGS),
+            comparisons=all_comparisons,
         output:
             **figure_outputs(_fig),
         params:
@@ -29,10 +29,10 @@ for _table in CONTROL_TABLES:
             f"table_{_table}"
         localrule: True
         input:
-            comparisons=expand("results/analysis/{config}/comparison.json", config=CONFIGS),
+            comparisons=all_comparisons,
         output:
-            csv=report(f"results/tables/{_table}.csv", caption=f"../report/{_table}.rst", category="Tables"),
-            md=f"results/tables/{_table}.md",
+            csv=report(table_file(_table, "csv"), caption=f"../report/{_table}.rst", category="Tables"),
+            md=table_file(_table, "md"),
         params:
             code=code_version("control_report"),
             configs=CONFIGS,

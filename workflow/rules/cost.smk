@@ -3,10 +3,10 @@
 rule cost_report:
     localrule: True
     input:
-        "results/MANIFEST.sha256",
+        MANIFEST,
     output:
-        csv="results/cost/cost.csv",
-        md=report("results/cost/cost.md", caption="../report/cost.rst", category="Compute"),
+        csv=cost_file("csv"),
+        md=report(cost_file("md"), caption="../report/cost.rst", category="Compute"),
     params:
         code=code_version("cost_report"),
         jobs=timed_jobs(),

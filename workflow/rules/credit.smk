@@ -2,9 +2,9 @@ rule compute_credit:
     localrule: True
     input:
         passes=lambda w: pass_file(w.config, w.pass_name),
-        pivots="results/pivots/{config}.parquet",
+        pivots=pivots_file("{config}"),
     output:
-        "results/credit/{config}/{pass_name}.parquet",
+        credit_file("{config}", "{pass_name}"),
     params:
         code=code_version("compute_credit"),
         k=config["replay"]["k"],

@@ -3,7 +3,7 @@ rule sample_problems:
     input:
         dataset_files,
     output:
-        "results/problems/{dataset}.parquet",
+        problems_file("{dataset}"),
     params:
         code=code_version("sample_problems"),
         source=config["dataset"]["source"],

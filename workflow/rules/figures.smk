@@ -6,7 +6,7 @@ for _fig in FIGURES_FROM_COMPARISONS:
             f"figure_{_fig}"
         localrule: True
         input:
-            comparisons=expand("results/analysis/{config}/comparison.json", config=CONFIGS),
+            comparisons=all_comparisons,
         output:
             **figure_outputs(_fig),
         params:
@@ -49,8 +49,8 @@ for _fig in FIGURES_FROM_CREDIT:
 rule figure_channel_agreement:
     localrule: True
     input:
-        comparisons=expand("results/analysis/{config}/comparison.json", config=CONFIGS),
-        channels=expand("results/analysis/{config}/channels.csv", config=CONFIGS),
+        comparisons=all_comparisons,
+        channels=[channels_file(c) for c in CONFIGS],
     output:
         **figure_outputs("channel_agreement"),
     params:
@@ -69,6 +69,6 @@ rule figure_channel_agreement:
 rule figures:
     localrule: True
     input:
-        expand("results/figures/{name}.{ext}",
-               name=FIGURES_FROM_COMPARISONS + FIGURES_FROM_CREDIT + ["channel_agreement"] + CONTROL_FIGURES,
-               ext=["png", "pdf"]),
+        [figure_file(name, ext)
+         for name in FIGURES_FROM_COMPARISONS + FIGURES_FROM_CREDIT + ["channel_agreement"] + CONTROL_FIGURES
+         for ext in ("png", "pdf")],

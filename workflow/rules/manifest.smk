@@ -3,8 +3,8 @@ rule manifest:
     input:
         manifest_inputs,
     output:
-        manifest="results/MANIFEST.sha256",
-        provenance="results/provenance.json",
+        manifest=MANIFEST,
+        provenance=PROVENANCE,
     params:
         code=code_version("manifest"),
         config=config,
@@ -23,8 +23,8 @@ rule manifest:
 rule verify:
     localrule: True
     params:
-        manifest="results/MANIFEST.sha256",
-        provenance="results/provenance.json",
+        manifest=MANIFEST,
+        provenance=PROVENANCE,
     log:
         f"{LOGS}/verify.log",
     conda:
@@ -36,7 +36,7 @@ rule verify:
 rule rollouts_only:
     localrule: True
     input:
-        expand("results/pivots/{config}.parquet", config=CONFIGS),
+        [pivots_file(c) for c in CONFIGS],
 
 
 rule passes_only:

@@ -2,7 +2,7 @@ rule prepare_model:
     input:
         model_files,
     output:
-        directory("results/models/{model_key}"),
+        directory(model_path("{model_key}")),
     params:
         code=code_version("prepare_model"),
         spec=lambda w: MODEL_KEYS[w.model_key]["model"],

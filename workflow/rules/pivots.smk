@@ -1,9 +1,9 @@
 rule select_pivots:
     localrule: True
     input:
-        rollouts="results/rollouts/{config}/rollouts.parquet",
+        rollouts=rollouts_file("{config}"),
     output:
-        "results/pivots/{config}.parquet",
+        pivots_file("{config}"),
     params:
         code=code_version("select_pivots"),
         pivots=config["pivots"],

@@ -8,9 +8,9 @@ for _pass in RUN_PASSES:
             f"replay_{_pass}"
         input:
             model=model_dir,
-            rollouts="results/rollouts/{config}/rollouts.parquet",
+            rollouts=rollouts_file("{config}"),
             kv=kv_index_file("{config}"),
-            pivots="results/pivots/{config}.parquet",
+            pivots=pivots_file("{config}"),
         output:
             pass_shard_file("{config}", _pass, "{shard}"),
         params:
@@ -22,7 +22,7 @@ for _pass in RUN_PASSES:
             replay={key: value for key, value in config["replay"].items() if key != "passes"},
             topk=config["pivots"]["topk"],
             n_shards=len(SHARDS),
-            work=f"results/work/{{config}}/{_pass}/{{shard}}",
+            work=work_dir("{config}", _pass, "{shard}"),
         log:
             f"{LOGS}/replay_{_pass}/{{config}}.{{shard}}.log",
         benchmark:

@@ -15,7 +15,7 @@ rule generate_rollouts:
         rollouts=config["rollouts"],
         topk=config["pivots"]["topk"],
         shard_size=config["resources"]["shard_size"],
-        work="results/work/{config}/rollouts/{shard}",
+        work=work_dir("{config}", "rollouts", "{shard}"),
     log:
         f"{LOGS}/generate_rollouts/{{config}}.{{shard}}.log",
     benchmark:
@@ -36,7 +36,7 @@ rule gather_rollouts:
     input:
         lambda w: [rollout_shard_file(w.config, s) for s in SHARDS],
     output:
-        "results/rollouts/{config}/rollouts.parquet",
+        rollouts_file("{config}"),
     params:
         code=code_version("gather"),
     log:
