@@ -65,34 +65,42 @@ def _share_row(pass_a: str, pass_b: str, channel: str, same: np.ndarray) -> dict
             "share_identical": float(same.mean()) if n else None}
 
 
-def _row_frame(name: str, df: pl.DataFrame) -> pl.DataFrame:
+def _row_frame(name: str, df: pl.DataFrame, keep: tuple[str, ...] = ()) -> pl.DataFrame:
     """Key columns with one dtype in every pass, and a refusal of duplicated rows (a join would multiply them)."""
     out = df.select(pl.col("pivot_id").cast(pl.String), pl.col("branch").cast(pl.String),
-                    pl.col("k").cast(pl.Int64), *_ROW_CHANNELS)
+                    pl.col("k").cast(pl.Int64), *_ROW_CHANNELS, *keep)
     if out.select(_ROW_KEYS).is_duplicated().any():
         raise ValueError(f"pass frame {name!r} has duplicated (pivot_id, branch, k) rows")
     return out
 
 
-def _row_channels(name_a: str, df_a: pl.DataFrame, name_b: str, df_b: pl.DataFrame) -> list[dict]:
+def row_identity(name_a: str, df_a: pl.DataFrame, name_b: str, df_b: pl.DataFrame,
+                 keep: tuple[str, ...] = ()) -> tuple[pl.DataFrame, int]:
+    """The rows present in both passes (joined on pivot, branch, k; ``keep``: columns of ``df_a`` carried along)
+    with one boolean per row channel, bitwise: token_ids, answer, correct, next_topk (top-k ids and log-probs);
+    and the size of the union of their rows."""
     for name, df in ((name_a, df_a), (name_b, df_b)):
         missing = [c for c in (*_ROW_KEYS, *_ROW_CHANNELS) if c not in df.columns]
         if missing:
             raise ValueError(f"pass frame {name!r} lacks columns {missing}")
-    left, right = _row_frame(name_a, df_a), _row_frame(name_b, df_b)
+    left, right = _row_frame(name_a, df_a, keep), _row_frame(name_b, df_b)
     joined = left.join(right, on=list(_ROW_KEYS), how="inner", suffix="__b")
     n_union = left.select(_ROW_KEYS).vstack(right.select(_ROW_KEYS)).unique().height
-    rows = [{"pass_a": name_a, "pass_b": name_b, "channel": "rows_present", "n": n_union,
-             "share_identical": joined.height / n_union if n_union else None}]
     col = joined.get_column
-    rows.append(_share_row(name_a, name_b, "token_ids",
-                           lists_bitwise_equal(col("token_ids"), col("token_ids__b"))))
-    for ch in ("answer", "correct"):
-        same = joined.select(pl.col(ch).eq_missing(pl.col(f"{ch}__b")))[ch].to_numpy().astype(bool)
-        rows.append(_share_row(name_a, name_b, ch, same))
-    topk = (lists_bitwise_equal(col("next_topk_ids"), col("next_topk_ids__b"))
-            & lists_bitwise_equal(col("next_topk_logprobs"), col("next_topk_logprobs__b")))
-    rows.append(_share_row(name_a, name_b, "next_topk", topk))
+    same = [pl.Series("token_ids", lists_bitwise_equal(col("token_ids"), col("token_ids__b")))]
+    same += [pl.Series(ch, joined.select(pl.col(ch).eq_missing(pl.col(f"{ch}__b")))[ch].to_numpy().astype(bool))
+             for ch in ("answer", "correct")]
+    same.append(pl.Series("next_topk", lists_bitwise_equal(col("next_topk_ids"), col("next_topk_ids__b"))
+                          & lists_bitwise_equal(col("next_topk_logprobs"), col("next_topk_logprobs__b"))))
+    return joined.select(*_ROW_KEYS, *keep).with_columns(same), n_union
+
+
+def _row_channels(name_a: str, df_a: pl.DataFrame, name_b: str, df_b: pl.DataFrame) -> list[dict]:
+    same, n_union = row_identity(name_a, df_a, name_b, df_b)
+    rows = [{"pass_a": name_a, "pass_b": name_b, "channel": "rows_present", "n": n_union,
+             "share_identical": same.height / n_union if n_union else None}]
+    for ch in ("token_ids", "answer", "correct", "next_topk"):
+        rows.append(_share_row(name_a, name_b, ch, same[ch].to_numpy().astype(bool)))
     return rows
 
 

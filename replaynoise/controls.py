@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from replaynoise.channels import lists_bitwise_equal
+from replaynoise.channels import row_identity
 from replaynoise.passes import pass_spec
 from replaynoise.stats import Clusters, disagree, ratio_stat
 
@@ -31,16 +31,8 @@ REFERENCE_ARMS = (("replica floor", "replica", "exact"), ("model dtype", "refeed
 
 
 def _row_same(a: pl.DataFrame, b: pl.DataFrame) -> pl.DataFrame:
-    """Per row of ``a`` (joined to ``b`` on pivot, branch, k): continuation tokens and first-step top-k
-    (ids and log-probs) bitwise equal."""
-    cols = ("problem_id", "token_ids", "next_topk_ids", "next_topk_logprobs")
-    joined = a.select(*_KEYS, *cols).join(b.select(*_KEYS, *cols[1:]), on=list(_KEYS), how="inner", suffix="__b")
-    col = joined.get_column
-    topk = (lists_bitwise_equal(col("next_topk_ids"), col("next_topk_ids__b"))
-            & lists_bitwise_equal(col("next_topk_logprobs"), col("next_topk_logprobs__b")))
-    return joined.select(*_KEYS, "problem_id").with_columns(
-        pl.Series("token_ids", lists_bitwise_equal(col("token_ids"), col("token_ids__b"))),
-        pl.Series("next_topk", topk))
+    """Per row of ``a`` present in ``b``, with its problem: each row channel bitwise equal or not."""
+    return row_identity("a", a, "b", b, keep=("problem_id",))[0]
 
 
 def _pivot_same(a: pl.DataFrame, b: pl.DataFrame) -> pl.DataFrame:
