@@ -9,7 +9,7 @@ from replaynoise.config import ConfigError, DEFAULT_CONFIG_PATH, validate_config
 from replaynoise.engines import make_engine
 from replaynoise.engines.vllm import (
     GPU_HEADROOM_GIB, PlatformError, check_invariant_platform, gpu_memory_share, patch_invariant_rms_norm,
-    row_invariant_add_rms_norm,
+    patch_invariant_top_p, row_invariant_add_rms_norm, row_invariant_top_k_top_p,
 )
 from replaynoise.pivots import PivotRules, candidate_positions
 
@@ -112,3 +112,47 @@ def test_the_invariant_rms_norm_is_installed_once_where_vllm_s_rmsnorm_layer_loo
     assert installed is not original and installed.row_invariant
     patch_invariant_rms_norm()
     assert layernorm.rms_norm_batch_invariant is installed  # not wrapped twice
+
+
+def _triton_top_k_top_p():
+    """vLLM's Triton top-k/top-p filter on a CUDA device, or a skip naming what is missing."""
+    sampler = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or getattr(sampler, "apply_top_k_top_p_triton", None) is None:
+        pytest.skip("vLLM's Triton top-k/top-p kernel runs on a CUDA device only")
+    return sampler
+
+
+def test_the_invariant_top_p_filters_a_row_alone_as_among_others():
+    """vLLM's own filter changes algorithm below 8 rows; the installed one keeps every row's nucleus bitwise
+    whatever number of rows a step samples (1, 3 and 7 of them, against 64), with top-p and with top-k."""
+    sampler = _triton_top_k_top_p()
+    torch = pytest.importorskip("torch")
+    filt = row_invariant_top_k_top_p(sampler.apply_top_k_top_p_triton)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, vocab = 64, 49152  # SmolLM2's vocabulary; logits from flat to peaked
+    scale = torch.linspace(0.5, 12, rows, device="cuda")[:, None]
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen) * scale
+    for k, p in ((None, torch.full((rows,), 0.95, device="cuda")),
+                 (torch.full((rows,), 40, device="cuda", dtype=torch.int32),
+                  torch.full((rows,), 0.9, device="cuda"))):
+        together = filt(logits.clone(), k, p)
+        kept = torch.isfinite(together).sum(1)
+        assert (kept >= 1).all() and (kept < vocab).all()  # a real nucleus in every row
+        for n in (1, 3, 7):
+            for start in range(0, rows - n + 1, n):
+                part = slice(start, start + n)
+                alone = filt(logits[part].clone(), None if k is None else k[part], p[part])
+                assert torch.equal(alone, together[part]), (n, start)
+    assert filt(logits, None, None) is logits  # nothing to filter: untouched
+
+
+def test_the_invariant_top_p_is_installed_once_where_vllm_s_sampler_looks_it_up(monkeypatch):
+    sampler = _triton_top_k_top_p()
+    original = sampler.apply_top_k_top_p
+    monkeypatch.setattr(sampler, "apply_top_k_top_p", original)  # restored after the test
+    patch_invariant_top_p()
+    installed = sampler.apply_top_k_top_p
+    assert installed is not original and installed.row_invariant
+    patch_invariant_top_p()
+    assert sampler.apply_top_k_top_p is installed  # not wrapped twice

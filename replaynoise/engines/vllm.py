@@ -109,6 +109,37 @@ def row_invariant_add_rms_norm(rms_norm):
     return norm
 
 
+def row_invariant_top_k_top_p(triton_top_k_top_p):
+    """vLLM's top-k/top-p filter, by its Triton kernel whatever the number of rows.
+
+    vLLM 0.26 filters a step's logits with that kernel from 8 rows on and, below 8, by a sort and a float32
+    ``torch.cumsum`` over the vocabulary (``topk_topp_sampler.apply_top_k_top_p``), which a single row sends
+    through another scan (cub's) as well. The two draw the nucleus' edge differently, so a request sampled in
+    the last steps of a ``generate`` call, when fewer than 8 requests are left, can draw another token than it
+    would in a fuller step: one continuation of 4,424 on the H200 differed so, from token 30 on, with every
+    first-step log-prob equal. The kernel handles each row alone in one program, the same for any number of rows."""
+    def apply(logits, k, p):
+        if k is None and p is None:
+            return logits
+        return triton_top_k_top_p(logits, k, p)
+
+    apply.row_invariant = True
+    return apply
+
+
+def patch_invariant_top_p() -> None:
+    """Install :func:`row_invariant_top_k_top_p` where vLLM's sampler looks the filter up (in this process)."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    if getattr(topk_topp_sampler.apply_top_k_top_p, "row_invariant", False):
+        return
+    triton = getattr(topk_topp_sampler, "apply_top_k_top_p_triton", None)
+    if triton is None:
+        raise PlatformError("kernels: invariant with engine vllm needs Triton (vLLM's row-invariant top-k/top-p "
+                            "kernel); this vLLM install has none")
+    topk_topp_sampler.apply_top_k_top_p = row_invariant_top_k_top_p(triton)
+
+
 def patch_invariant_rms_norm() -> None:
     """Install :func:`row_invariant_add_rms_norm` where vLLM's RMSNorm layer looks it up (in this process: the
     engine core runs here, VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
@@ -144,7 +175,7 @@ def build_llm(weights: Path, settings: dict, *, topk: int, threads: int):
     if invariant:
         check_invariant_platform(device)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if invariant:  # patch_invariant_rms_norm must reach the engine core: it has to run in this process
+    if invariant:  # the invariant patches (RMSNorm, top-p) must reach the engine core: it has to run in this process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     kwargs: dict = invariant_llm_kwargs() if invariant else {}
     if device == "cpu":
@@ -162,6 +193,7 @@ def build_llm(weights: Path, settings: dict, *, topk: int, threads: int):
         kwargs["gpu_memory_utilization"] = gpu_memory_share(settings["kv_cache_gib"], torch.cuda.mem_get_info()[1])
         if invariant:
             patch_invariant_rms_norm()
+            patch_invariant_top_p()
     from vllm import LLM
 
     return LLM(model=str(weights), tokenizer=str(weights), dtype=settings["dtype"], seed=0,
