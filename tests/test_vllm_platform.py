@@ -103,15 +103,20 @@ def test_the_invariant_add_rms_norm_adds_elementwise_then_normalises_each_row_al
     assert torch.equal(norm(x, weight, 1e-6), _reference_rms_norm(x, weight, 1e-6))
 
 
+def _installed_once(monkeypatch, module, name: str, patch) -> None:
+    """``patch`` replaces ``module.name`` by a row-invariant function, and a second call wraps nothing again."""
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, original)  # restored after the test
+    patch()
+    installed = getattr(module, name)
+    assert installed is not original and installed.row_invariant
+    patch()
+    assert getattr(module, name) is installed
+
+
 def test_the_invariant_rms_norm_is_installed_once_where_vllm_s_rmsnorm_layer_looks_it_up(monkeypatch):
     layernorm = pytest.importorskip("vllm.model_executor.layers.layernorm")
-    original = layernorm.rms_norm_batch_invariant
-    monkeypatch.setattr(layernorm, "rms_norm_batch_invariant", original)  # restored after the test
-    patch_invariant_rms_norm()
-    installed = layernorm.rms_norm_batch_invariant
-    assert installed is not original and installed.row_invariant
-    patch_invariant_rms_norm()
-    assert layernorm.rms_norm_batch_invariant is installed  # not wrapped twice
+    _installed_once(monkeypatch, layernorm, "rms_norm_batch_invariant", patch_invariant_rms_norm)
 
 
 def _triton_top_k_top_p():
@@ -148,11 +153,4 @@ def test_the_invariant_top_p_filters_a_row_alone_as_among_others():
 
 
 def test_the_invariant_top_p_is_installed_once_where_vllm_s_sampler_looks_it_up(monkeypatch):
-    sampler = _triton_top_k_top_p()
-    original = sampler.apply_top_k_top_p
-    monkeypatch.setattr(sampler, "apply_top_k_top_p", original)  # restored after the test
-    patch_invariant_top_p()
-    installed = sampler.apply_top_k_top_p
-    assert installed is not original and installed.row_invariant
-    patch_invariant_top_p()
-    assert sampler.apply_top_k_top_p is installed  # not wrapped twice
+    _installed_once(monkeypatch, _triton_top_k_top_p(), "apply_top_k_top_p", patch_invariant_top_p)
