@@ -81,20 +81,24 @@ def test_every_campaign_file_passes_the_duplicate_key_check_and_validates(path):
         assert validate_config(yaml.safe_load(path.read_text()))["configs"]
 
 
-GPU_REFERENCES = sorted(p.parent.name for p in (REPO / "reference" / "gpu").glob("*/provenance.json"))
+#: reference/<engine folder>/<name>, each made by config/campaigns/<engine folder>/<name>.yaml
+GPU_FOLDERS = ("gpu", "gpu-vllm")
+GPU_REFERENCES = sorted(f"{folder}/{p.parent.name}" for folder in GPU_FOLDERS
+                        for p in (REPO / "reference" / folder).glob("*/provenance.json"))
 
 
 def test_every_gpu_reference_has_its_campaign_file():
-    assert len(GPU_REFERENCES) >= 7
-    assert all((REPO / "config" / "campaigns" / "gpu" / f"{name}.yaml").is_file() for name in GPU_REFERENCES)
+    assert sum(ref.startswith("gpu/") for ref in GPU_REFERENCES) >= 7
+    assert {"gpu-vllm/smollm2", "gpu-vllm/qwen"} <= set(GPU_REFERENCES)
+    assert all((REPO / "config" / "campaigns" / f"{ref}.yaml").is_file() for ref in GPU_REFERENCES)
 
 
-@pytest.mark.parametrize("name", GPU_REFERENCES)
-def test_committed_gpu_reference_was_made_by_its_campaign_file(name):
-    """reference/gpu/<name> must describe config/campaigns/gpu/<name>.yaml as committed: an edit to the file
-    without a new run would leave a reference that no rerun of the file reproduces."""
-    campaign = validate_config(yaml.safe_load((REPO / "config" / "campaigns" / "gpu" / f"{name}.yaml").read_text()))
-    provenance = json.loads((REPO / "reference" / "gpu" / name / "provenance.json").read_text())
+@pytest.mark.parametrize("ref", GPU_REFERENCES)
+def test_committed_gpu_reference_was_made_by_its_campaign_file(ref):
+    """reference/<folder>/<name> must describe config/campaigns/<folder>/<name>.yaml as committed: an edit to the
+    file without a new run would leave a reference that no rerun of the file reproduces."""
+    campaign = validate_config(yaml.safe_load((REPO / "config" / "campaigns" / f"{ref}.yaml").read_text()))
+    provenance = json.loads((REPO / "reference" / ref / "provenance.json").read_text())
     assert provenance["config"] == campaign
     assert provenance["analysis_hash"] == analysis_hash(campaign)
 
