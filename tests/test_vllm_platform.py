@@ -121,10 +121,11 @@ def test_the_invariant_rms_norm_is_installed_once_where_vllm_s_rmsnorm_layer_loo
 
 def _triton_top_k_top_p():
     """vLLM's Triton top-k/top-p filter on a CUDA device, or a skip naming what is missing."""
-    sampler = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
     torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available() or getattr(sampler, "apply_top_k_top_p_triton", None) is None:
+    if not torch.cuda.is_available():
         pytest.skip("vLLM's Triton top-k/top-p kernel runs on a CUDA device only")
+    sampler = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    assert sampler.apply_top_k_top_p_triton is not None  # vLLM's CUDA build always has Triton
     return sampler
 
 
