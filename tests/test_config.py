@@ -81,7 +81,7 @@ def test_every_campaign_file_passes_the_duplicate_key_check_and_validates(path):
         assert validate_config(yaml.safe_load(path.read_text()))["configs"]
 
 
-#: reference/<engine folder>/<name>, each made by config/campaigns/<engine folder>/<name>.yaml
+#: reference/<folder>/<name> (gpu: the HF engine's; gpu-vllm: vLLM's), made by config/campaigns/<folder>/<name>.yaml
 GPU_FOLDERS = ("gpu", "gpu-vllm")
 GPU_REFERENCES = sorted(f"{folder}/{p.parent.name}" for folder in GPU_FOLDERS
                         for p in (REPO / "reference" / folder).glob("*/provenance.json"))

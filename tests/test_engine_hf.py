@@ -298,6 +298,7 @@ def test_static_layer_functions_match_the_layer_modules_bitwise_with_fp32_matmul
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2)).to(torch.bfloat16).eval()
     assert use_fp32_matmul(model) == 7 + 1  # q, k, v, o, gate, up, down and the LM head
+    assert use_fp32_matmul(model) == 0  # a second engine on the same model wraps nothing again
     layer = model.model.layers[0]
     w_in, w_out, (eps, fp32) = StaticDecoder._layer_weights(layer)
     assert fp32

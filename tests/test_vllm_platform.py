@@ -1,4 +1,5 @@
-"""vLLM settings that need no vLLM install: invariant-mode refusal, parse-time checks, pivot alignment."""
+"""vLLM settings that need no vLLM install (invariant-mode refusal, parse-time checks, pivot alignment), and the
+engine's row-invariant replacements of vLLM kernels (with vLLM installed; the top-p filter's on a CUDA device)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from replaynoise.config import ConfigError, DEFAULT_CONFIG_PATH, validate_config
 from replaynoise.engines import make_engine
 from replaynoise.engines.vllm import (
     GPU_HEADROOM_GIB, PlatformError, check_invariant_platform, gpu_memory_share, patch_invariant_rms_norm,
-    patch_invariant_top_p, row_invariant_add_rms_norm, row_invariant_top_k_top_p,
+    patch_invariant_top_k_top_p, row_invariant_add_rms_norm,
 )
 from replaynoise.pivots import PivotRules, candidate_positions
 
@@ -120,38 +121,45 @@ def test_the_invariant_rms_norm_is_installed_once_where_vllm_s_rmsnorm_layer_loo
 
 
 def _triton_top_k_top_p():
-    """vLLM's Triton top-k/top-p filter on a CUDA device, or a skip naming what is missing."""
+    """vLLM's sampler module on a CUDA device (where its Triton top-k/top-p kernel runs), or a skip."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("vLLM's Triton top-k/top-p kernel runs on a CUDA device only")
     sampler = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
-    assert sampler.apply_top_k_top_p_triton is not None  # vLLM's CUDA build always has Triton
+    assert getattr(sampler, "apply_top_k_top_p_triton", None) is not None, "vLLM's CUDA build without Triton"
     return sampler
 
 
-def test_the_invariant_top_p_filters_a_row_alone_as_among_others():
-    """vLLM's own filter changes algorithm below 8 rows; the installed one keeps every row's nucleus bitwise
-    whatever number of rows a step samples (1, 3 and 7 of them, against 64), with top-p and with top-k."""
+def test_the_invariant_top_p_filters_a_row_alone_as_among_others(monkeypatch):
+    """vLLM's own filter changes algorithm below 8 rows, and then keeps another nucleus for some rows; the
+    installed one keeps every row's bitwise whatever number of rows a step samples (1, 3 and 7 of them, against
+    160: more than the H200's 132 programs, so some run two rows), with top-p, top-k, and both."""
     sampler = _triton_top_k_top_p()
     torch = pytest.importorskip("torch")
-    filt = row_invariant_top_k_top_p(sampler.apply_top_k_top_p_triton)
+    stock = sampler.apply_top_k_top_p
+    monkeypatch.setattr(sampler, "apply_top_k_top_p", stock)  # restored after the test
+    patch_invariant_top_k_top_p()
+    filt = sampler.apply_top_k_top_p  # what vLLM's sampler now calls
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows, vocab = 64, 49152  # SmolLM2's vocabulary; logits from flat to peaked
+    rows, vocab = 160, 49152  # SmolLM2's vocabulary; logits from flat to peaked
     scale = torch.linspace(0.5, 12, rows, device="cuda")[:, None]
     logits = torch.randn(rows, vocab, device="cuda", generator=gen) * scale
-    for k, p in ((None, torch.full((rows,), 0.95, device="cuda")),
-                 (torch.full((rows,), 40, device="cuda", dtype=torch.int32),
-                  torch.full((rows,), 0.9, device="cuda"))):
+    top_p, top_k = torch.full((rows,), 0.95, device="cuda"), torch.full((rows,), 40, device="cuda", dtype=torch.int32)
+    for k, p in ((None, top_p), (top_k, None), (top_k, top_p)):
         together = filt(logits.clone(), k, p)
         kept = torch.isfinite(together).sum(1)
         assert (kept >= 1).all() and (kept < vocab).all()  # a real nucleus in every row
         for n in (1, 3, 7):
             for start in range(0, rows - n + 1, n):
                 part = slice(start, start + n)
-                alone = filt(logits[part].clone(), None if k is None else k[part], p[part])
+                alone = filt(logits[part].clone(), None if k is None else k[part], None if p is None else p[part])
                 assert torch.equal(alone, together[part]), (n, start)
     assert filt(logits, None, None) is logits  # nothing to filter: untouched
+    # vLLM's own top-p, one row at a time (its sort and cumsum), draws the edge elsewhere for some of these rows
+    own = stock(logits.clone(), None, top_p)
+    assert any(not torch.equal(torch.isfinite(stock(logits[r:r + 1].clone(), None, top_p[r:r + 1]))[0],
+                               torch.isfinite(own[r])) for r in range(rows))
 
 
 def test_the_invariant_top_p_is_installed_once_where_vllm_s_sampler_looks_it_up(monkeypatch):
-    _installed_once(monkeypatch, _triton_top_k_top_p(), "apply_top_k_top_p", patch_invariant_top_p)
+    _installed_once(monkeypatch, _triton_top_k_top_p(), "apply_top_k_top_p", patch_invariant_top_k_top_p)

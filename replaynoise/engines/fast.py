@@ -74,8 +74,11 @@ class _Fp32Linear(torch.nn.Module):
 
 
 def use_fp32_matmul(model: torch.nn.Module) -> int:
-    """Swap every half-precision ``nn.Linear`` of ``model`` for its fp32-GEMM form; returns how many."""
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+    """Swap every half-precision ``nn.Linear`` of ``model`` for its fp32-GEMM form; returns how many. The layers
+    already swapped keep their original inside (``inner``), which is skipped: two engines on one model (the
+    precision controls build a second) would otherwise wrap it again, each time with another fp32 weight copy."""
+    swaps = [(parent, name, child) for parent in model.modules() if not isinstance(parent, _Fp32Linear)
+             for name, child in parent.named_children()
              if type(child) is torch.nn.Linear and child.weight.dtype in (torch.bfloat16, torch.float16)]
     for parent, name, child in swaps:
         setattr(parent, name, _Fp32Linear(child))

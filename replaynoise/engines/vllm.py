@@ -127,7 +127,7 @@ def row_invariant_top_k_top_p(triton_top_k_top_p):
     return apply
 
 
-def patch_invariant_top_p() -> None:
+def patch_invariant_top_k_top_p() -> None:
     """Install :func:`row_invariant_top_k_top_p` where vLLM's sampler looks the filter up (in this process)."""
     from vllm.v1.sample.ops import topk_topp_sampler
 
@@ -138,6 +138,7 @@ def patch_invariant_top_p() -> None:
         raise PlatformError("kernels: invariant with engine vllm needs Triton (vLLM's row-invariant top-k/top-p "
                             "kernel); this vLLM install has none")
     topk_topp_sampler.apply_top_k_top_p = row_invariant_top_k_top_p(triton)
+    log.info("kernels: invariant: vLLM's top-k/top-p filter replaced by its Triton kernel at every batch size")
 
 
 def patch_invariant_rms_norm() -> None:
@@ -148,6 +149,7 @@ def patch_invariant_rms_norm() -> None:
     current = layernorm.rms_norm_batch_invariant  # vLLM's Triton RMSNorm, wherever a version keeps it
     if not getattr(current, "row_invariant", False):
         layernorm.rms_norm_batch_invariant = row_invariant_add_rms_norm(current)
+        log.info("kernels: invariant: vLLM's add-RMSNorm replaced by an elementwise add and its per-row RMSNorm")
 
 
 #: what a small model's vLLM process holds on the GPU besides its KV cache (weights, activations, CUDA context)
@@ -193,7 +195,7 @@ def build_llm(weights: Path, settings: dict, *, topk: int, threads: int):
         kwargs["gpu_memory_utilization"] = gpu_memory_share(settings["kv_cache_gib"], torch.cuda.mem_get_info()[1])
         if invariant:
             patch_invariant_rms_norm()
-            patch_invariant_top_p()
+            patch_invariant_top_k_top_p()
     from vllm import LLM
 
     return LLM(model=str(weights), tokenizer=str(weights), dtype=settings["dtype"], seed=0,
