@@ -92,6 +92,9 @@ def package_versions() -> dict[str, str | None]:
 
 
 def git_commit(repo_dir: str | os.PathLike) -> dict[str, Any]:
+    """The commit the workflow's source is at and whether its tree differs. Read-only: a plain ``git status``
+    refreshes the user's index under ``.git/index.lock``, and a run killed at that moment would leave the lock
+    behind and stop the user's next git command, so the optional locks are off."""
     def run(*args: str) -> str | None:
         try:
             return subprocess.run(["git", *args], cwd=repo_dir, capture_output=True, text=True,
@@ -99,7 +102,7 @@ def git_commit(repo_dir: str | os.PathLike) -> dict[str, Any]:
         except (OSError, subprocess.CalledProcessError):
             return None
 
-    status = run("status", "--porcelain")
+    status = run("--no-optional-locks", "status", "--porcelain")
     return {"commit": run("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 

@@ -302,6 +302,19 @@ def test_git_commit_clean_and_dirty(git_repo):
     assert provenance.git_commit(repo) == {"commit": head, "dirty": True}
 
 
+def test_git_commit_never_writes_the_user_s_index(git_repo):
+    """A file rewritten with its own content leaves stale stat data in the index, which a plain ``git status``
+    refreshes by rewriting the index (under .git/index.lock); provenance must only read."""
+    repo, head = git_repo
+    index = repo / ".git" / "index"
+    before = index.read_bytes()
+    os.utime(repo / "a.txt", ns=(1_000_000_000, 1_000_000_000))  # same content, other mtime
+    assert provenance.git_commit(repo) == {"commit": head, "dirty": False}
+    assert index.read_bytes() == before
+    subprocess.run(["git", "status", "--porcelain"], cwd=repo, check=True, capture_output=True)
+    assert index.read_bytes() != before  # what the plain command does, so the check above can fail
+
+
 def test_provenance_record(monkeypatch, git_repo):
     import torch
 
