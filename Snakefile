@@ -42,6 +42,6 @@ onsuccess:
         try:  # a courtesy: a table it cannot read (an older layout) must not fail a run that succeeded
             print(run_summary(table_file("headline", "csv")))
         except Exception as exc:
-            print(f"(no summary: results/tables/headline.csv could not be read: {exc})")
+            print(f"(no summary: {table_file('headline', 'csv')} could not be read: {exc})")
         print("Tables: results/tables/headline.{md,csv,tex}; figures: results/figures/; "
               "every file's sha256: results/MANIFEST.sha256")
