@@ -90,6 +90,7 @@ def test_static_decode_replays_its_graph_bitwise_and_matches_the_eager_step(mode
     assert eng.static  # the GPU default: static cache, CUDA graph, on-device sampling
     _, requests = rollout_and_requests(eng, tmp_path)
     first = eng.run_batch(requests, "decode_kv", SAMPLING)
+    assert [d.compiled for d in eng._decoders.values()] == [False, True]  # the rollout's, the pass's
     again = eng.run_batch(requests, "decode_kv", SAMPLING)  # the captured graph, replayed on a new batch
     eager = engine(model, "stock", graphs=False)
     plain = eager.run_batch(requests, "decode_kv", SAMPLING)
@@ -127,6 +128,7 @@ def test_batched_static_rollouts_keep_each_rows_own_kv_on_gpu(model, tmp_path):
     assert static.static
     dynamic = HFEngine(model, SimpleNamespace(eos_token_id=VOCAB - 1), decode="dynamic")
     a = static.generate_rollouts(reqs, SAMPLING, tmp_path / "static", keep)
+    assert [d.compiled for d in static._decoders.values()] == [False]  # rollouts: eager layers in the graph
     b = dynamic.generate_rollouts(reqs, SAMPLING, tmp_path / "dynamic", keep)
     from replaynoise.engines.kvfiles import load_kv_file
 

@@ -12,7 +12,7 @@ stays bitwise.
 per-layer buffers [rows, kv_heads, length, head_dim] (rows left-padded to a common write position), the step
 (embedding, layers, head and Gumbel-max sampling) captured once as a CUDA graph and replayed, tokens kept on the
 GPU: no Python per layer, no logits transfer, no per-step synchronisation. The prefix KV is copied in once per
-batch, unmodified, so an exact pass still resumes from the verified decode-time state. On CUDA the layer body
+batch, unmodified, so an exact pass still resumes from the verified decode-time state. On CUDA the passes' layer body
 (RMSNorm, projections, RoPE, attention, MLP, residuals) is compiled by inductor into a few fused kernels: at 512
 rows of a Qwen2.5-0.5B shape it cut the step from 7.7 to 5.4 ms on an H200 (about 600 small kernels per step
 were the second-largest cost). Eager and graph-replayed steps use the same compiled kernels, so they agree
@@ -165,10 +165,10 @@ def _compiled(fn):
 
 
 @functools.cache
-def _layer_functions(device_type: str) -> tuple:
-    """(layer input, attention, layer output): compiled once per process on CUDA, eager elsewhere."""
+def _layer_functions(compiled: bool) -> tuple:
+    """(layer input, attention, layer output): compiled once per process, or the eager functions."""
     plain = (_layer_in, _attend, _layer_out)
-    return tuple(map(_compiled, plain)) if device_type == "cuda" else plain
+    return tuple(map(_compiled, plain)) if compiled else plain
 
 
 def _eager_sampler(logits, seeds, steps, temperature, top_p):
@@ -192,9 +192,12 @@ class StaticDecoder:
     """Decode ``rows`` continuation rows for up to ``steps`` tokens after left-padded prefixes of ``prefix`` positions.
 
     Buffers are allocated once per (rows, length) and reused by later batches of the same shape, with the graph
-    captured on them; ``graphs=False`` runs the same step eagerly (CPU tests, debugging)."""
+    captured on them; ``graphs=False`` runs the same step eagerly (CPU tests, debugging). ``compiled=False``
+    keeps the layer body and sampler eager on CUDA too (captured in the graph all the same): compiling them costs
+    seconds per process and shape, which only a long decode earns back."""
 
-    def __init__(self, model, rows: int, length: int, *, graphs: bool, attention: str = STATIC_ATTENTION) -> None:
+    def __init__(self, model, rows: int, length: int, *, graphs: bool, attention: str = STATIC_ATTENTION,
+                 compiled: bool = True) -> None:
         cfg, inner = model.config, model.model
         attn = inner.layers[0].self_attn
         self.model, self.inner, self.rows, self.length = model, inner, rows, length
@@ -218,8 +221,9 @@ class StaticDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.sampling: tuple[float, float] | None = None
         self.out: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.sample = _compiled_sampler() if self.graphs else _eager_sampler
-        self.layer_in, self.attend, self.layer_out = _layer_functions(device.type)
+        self.compiled = compiled and device.type == "cuda"
+        self.sample = _compiled_sampler() if self.graphs and self.compiled else _eager_sampler
+        self.layer_in, self.attend, self.layer_out = _layer_functions(self.compiled)
         self.weights = [self._layer_weights(layer) for layer in inner.layers]
 
     @staticmethod

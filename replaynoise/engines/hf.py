@@ -80,7 +80,7 @@ class HFEngine(HFRollouts):
         self.aligned = decode == "static" and self.invariant
         self.invariant_shape = (invariant_rows, invariant_context)
         self._aligned_decoder: AlignedDecoder | None = None
-        self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
+        self._decoders: OrderedDict[tuple[int, int, bool], StaticDecoder] = OrderedDict()
         self._graphs = graphs  # CUDA graphs for the static decode (off: each step eager, to compare against)
         self.attention = static_attention()
         self.topk = topk
@@ -385,14 +385,14 @@ class HFEngine(HFRollouts):
         ids, values = topk_rows(logits, self.topk)
         return ids.tolist(), values.tolist(), digest_strings(digest_rows(logits))
 
-    def _decoder(self, rows: int, length: int) -> StaticDecoder:
-        key = (rows, length)
+    def _decoder(self, rows: int, length: int, compiled: bool = True) -> StaticDecoder:
+        key = (rows, length, compiled)
         if key not in self._decoders:
             if len(self._decoders) >= 2:
                 self._decoders.popitem(last=False)
                 torch.cuda.empty_cache() if self.device.type == "cuda" else None
             self._decoders[key] = StaticDecoder(self.model, rows, length, graphs=self._graphs,
-                                                attention=self.attention)
+                                                attention=self.attention, compiled=compiled)
         self._decoders.move_to_end(key)
         return self._decoders[key]
 
