@@ -18,7 +18,7 @@ from replaynoise.engines.kvfiles import KVLayers, save_kv, stack_layers
 from replaynoise.engines.sampling import (
     RowSampler, digest_rows, digest_strings, logits_digest, sample_rows, topk_logprobs, topk_rows,
 )
-from replaynoise.engines.states import IO_THREADS, bucket, cache_layers, row_layers
+from replaynoise.engines.states import IO_THREADS, bucket, cache_layers
 
 
 class HFRollouts:
@@ -127,7 +127,7 @@ class HFRollouts:
 
     @torch.inference_mode()
     def _generate_static(self, requests: list[RolloutRequest], sampling: SamplingSettings
-                         ) -> list[tuple[Rollout, KVLayers]]:
+                         ) -> list[tuple[Rollout, torch.Tensor]]:
         """Batched rollouts in a static cache: the batch's prompts prefilled together, then one captured graph
         replay per step for all rows; top-k, digests and tokens stay on the device until the batch ends."""
         n, steps = len(requests), sampling.max_new_tokens
@@ -158,12 +158,12 @@ class HFRollouts:
             # the whole batch's KV to the host in one copy (not one per row and layer); rows are views of it
             kv = decoder.kv[:, :, :n, :, :longest + last].cpu()
         rollouts = [self._rollout_of(req, *rec) for req, *rec in zip(requests, *host)]
-        return [(r, row_layers(kv, row, longest - len(r.prompt_ids), longest + len(r.response_ids) - 1))
+        return [(r, kv[:, :, row:row + 1, :, longest - len(r.prompt_ids):longest + len(r.response_ids) - 1])
                 for row, r in enumerate(rollouts)]
 
     @torch.inference_mode()
     def _generate_aligned(self, requests: list[RolloutRequest], sampling: SamplingSettings
-                          ) -> list[tuple[Rollout, KVLayers]]:
+                          ) -> list[tuple[Rollout, torch.Tensor]]:
         """Invariant rollouts of at most ``invariant_rows`` requests: the prompts fed by decode steps, then one
         step per token; a row's KV is slots [0, n) of the decoder, its own positions."""
         n, steps = len(requests), sampling.max_new_tokens
@@ -179,7 +179,7 @@ class HFRollouts:
             # a copy also on a CPU (.cpu() would alias the decoder, which the next chunk overwrites)
             kv = decoder.kv[:, :, :n, :, :max(map(len, prompts)) + last].to("cpu", copy=True)
         rollouts = [self._rollout_of(req, *rec) for req, *rec in zip(requests, *host)]
-        return [(r, row_layers(kv, row, 0, len(r.prompt_ids) + len(r.response_ids) - 1))
+        return [(r, kv[:, :, row:row + 1, :, :len(r.prompt_ids) + len(r.response_ids) - 1])
                 for row, r in enumerate(rollouts)]
 
     def _step_records(self, rows: int, steps: int) -> tuple[torch.Tensor, ...]:

@@ -139,12 +139,6 @@ def transplant(req: ContinuationRequest, mine: PrefixState, theirs: PrefixState,
     return PrefixState(None, mine.length, mine.verified and theirs.verified, None, cached=None, expected=None, kv=kv)
 
 
-def row_layers(kv: torch.Tensor, row: int, start: int, stop: int) -> KVLayers:
-    """Row ``row``'s positions [start, stop) of a batch's stacked KV [layers, 2, rows, heads, slots, dim], as
-    per-layer views."""
-    return [(layer[0, row:row + 1, :, start:stop], layer[1, row:row + 1, :, start:stop]) for layer in kv]
-
-
 def row_bucket(rows: int) -> int:
     """Static decoder rows: the next power of two, so a pass's short last batch shares the full batches'
     decoder (one compilation and graph capture per pass) whenever the batch size is a power of two."""
