@@ -24,7 +24,7 @@ import yaml
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.replay_throughput import roofline
-from replaynoise import replay
+from replaynoise import passes, replay
 from replaynoise.config import validate_config
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import SamplingSettings
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run", type=Path)
     ap.add_argument("--configfile", type=Path, required=True)
     ap.add_argument("--config", required=True)
-    ap.add_argument("--pass", dest="pass_name", default="exact", choices=sorted(replay.PASSES))
+    ap.add_argument("--pass", dest="pass_name", default="exact", choices=sorted(passes.PASSES))
     ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="JSON summary")
     args = ap.parse_args(argv)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                                     replay.schedule_seed(cfg["seed"], args.config, args.pass_name))
     requests = replay.with_restep_once(requests, schedule)
     batches = [[requests[i] for i in rows] for rows in schedule]
-    source = replay.PASSES[args.pass_name].source
+    source = passes.PASSES[args.pass_name].source
     sampling = SamplingSettings(settings["temperature"] if r["temperature"] is None else r["temperature"],
                                 settings["top_p"] if r["top_p"] is None else r["top_p"], r["max_new_tokens"])
     n = args.batches
