@@ -1,4 +1,5 @@
-"""Stored KV files: plain safetensors that any reader loads, laid out so that ours reads a cache as one view."""
+"""Stored KV files: plain safetensors that any reader loads, laid out so that ours reads a cache as one view;
+and the comparison of re-fed KV with them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from replaynoise.engines.base import VerificationError
+from replaynoise.engines.base import ContinuationRequest, VerificationError
 from replaynoise.engines.kvfiles import load_kv_file, parse_kv, read_kv_bytes, save_kv, stack_layers
+from replaynoise.engines.states import PrefixState, StoredKV
 
 
 def cache(layers=3, heads=2, positions=7, dim=4, dtype=torch.bfloat16):
@@ -67,3 +69,31 @@ def test_a_damaged_file_is_refused_with_its_name(tmp_path):
     (tmp_path / "header.safetensors").write_bytes(whole[:8] + b"[" + whole[9:])
     with pytest.raises(VerificationError, match="header.safetensors"):
         load_kv_file(tmp_path / "header.safetensors")
+
+
+def test_drift_of_a_padded_batch_equals_the_drift_measured_state_by_state(tmp_path, monkeypatch):
+    """The re-feed pass compares a batched prefill's KV with the stored KV a chunk of rows at a time; the
+    figures must be those of the comparison state by state, unmeasurable states (no stored file, another
+    prefix length) left without one."""
+    gen = torch.Generator().manual_seed(1)
+    lengths, longest, files, requests = [5, 7, 3, 6], 7, [], []
+    for i, n in enumerate(lengths):
+        stored = torch.randn(4, 2, 1, 2, 9, 8, generator=gen).to(torch.bfloat16)  # 9 stored positions
+        path = tmp_path / f"{i}.safetensors"
+        files.append(save_kv(stored, 9, path, ids=list(range(9))))
+        requests.append(ContinuationRequest(f"p{i}", "orig", 0, i, tuple(range(n if i != 3 else n + 1)), 1,
+                                            None if i == 2 else str(path), files[-1]))
+    whole = torch.randn(4, 2, len(lengths), 2, longest, 8, generator=gen).to(torch.bfloat16)
+    for row, n in enumerate(lengths):
+        whole[:, :, row, :, :longest - n] = 0  # left padding, zero as the batched prefill leaves it
+
+    def states():
+        return [PrefixState(None, n, True, None, kv=whole[:, :, r:r + 1, :, longest - n:])
+                for r, n in enumerate(lengths)]
+
+    monkeypatch.setattr("replaynoise.engines.states.DRIFT_ROWS", 3)  # two chunks, the second short
+    one_by_one = StoredKV(torch.device("cpu"), 2**30).drift(requests, states())
+    chunked = StoredKV(torch.device("cpu"), 2**30).drift(requests, states(), whole=whole)
+    assert [s.kv_maxdiff for s in chunked] == [s.kv_maxdiff for s in one_by_one]
+    assert [s.kv_maxdiff is None for s in chunked] == [False, False, True, True]
+    assert all(len(s.kv_maxdiff) == 4 and max(s.kv_maxdiff) > 0 for s in chunked[:2])

@@ -25,6 +25,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -153,14 +154,23 @@ def _compiled(fn):
         key = tuple(a for a in args if not isinstance(a, torch.Tensor))
         if key in run.eager:
             return fn(*args)
+        # only eager steps call this (a captured graph replays without Python): the first call of a shape,
+        # which compiles or loads from inductor's cache, is timed for the job's log
+        shapes = (key, tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+        start = time.perf_counter()
         try:
-            return compiled(*args)
+            out = compiled(*args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: same result, slower
             log.warning("compiled %s unavailable for %s (%r); running it eagerly", fn.__name__, key, exc)
             run.eager.add(key)
             return fn(*args)
+        if shapes not in run.timed:
+            run.timed.add(shapes)
+            log.info("compiled %s for %s in %.2f s", fn.__name__, "x".join(map(str, shapes[1][0])),
+                     time.perf_counter() - start)
+        return out
 
-    run.eager = set()
+    run.eager, run.timed = set(), set()
     return run
 
 
@@ -326,12 +336,17 @@ class StaticDecoder:
         if not self.graphs:
             return self._step()
         if self.graph is None:
+            start = time.perf_counter()
             if self.out is None:  # first use: warm up (cuBLAS handles, workspaces) on a real step
                 self.out = self._step()
+                log.info("first step of %d rows x %d slots (compiled: %s): %.2f s", self.rows, self.length,
+                         self.compiled, time.perf_counter() - start)
                 return self.out
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.out = self._step()
+            log.info("captured the step of %d rows x %d slots: %.2f s", self.rows, self.length,
+                     time.perf_counter() - start)
         self.graph.replay()
         return self.out
 

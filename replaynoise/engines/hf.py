@@ -273,11 +273,13 @@ class HFEngine(HFRollouts):
         or one token of one row at a time without static decode; ``dtype``: by the model cast to it, in one
         batched forward whatever the kernels, the KV cast back to the model's dtype); where the decode KV is
         stored, record how far each moved from it (max |dKV| per layer)."""
+        padded = None  # the states as one left-padded tensor, padding zero, where a batched prefill made them
         if dtype is not None:
             cache, _, mask = self._prefill_batch(seqs, self._model_in(dtype))
             whole, longest = stack_layers(cache_layers(cache)).to(self.model.dtype), mask.shape[1]
             del cache
             stacks = [whole[:, :, r:r + 1, :, longest - len(seq):] for r, seq in enumerate(seqs)]
+            padded = whole
         elif self.aligned:  # prefilled by the invariant decoder's own steps, at most invariant_rows at a time
             decoder, rows, stacks = self._aligned(), self.invariant_shape[0], []
             for start in range(0, len(seqs), rows):
@@ -292,7 +294,9 @@ class HFEngine(HFRollouts):
             whole, longest = stack_layers(cache_layers(cache)), mask.shape[1]
             del cache
             stacks = [whole[:, :, r:r + 1, :, longest - len(seq):] for r, seq in enumerate(seqs)]
-        return self.stored.drift(requests, [PrefixState(None, len(seq), True, None, kv=kv) for seq, kv in zip(seqs, stacks)])
+            padded = whole
+        return self.stored.drift(requests, [PrefixState(None, len(seq), True, None, kv=kv) for seq, kv in zip(seqs, stacks)],
+                                 whole=padded)
 
     # ----------------------------------------------------------------------------------------- continuations
     @torch.inference_mode()
