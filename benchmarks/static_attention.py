@@ -21,7 +21,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replaynoise.engines.fast import StaticDecoder  # noqa: E402
-from replaynoise.engines.states import bucket  # noqa: E402
+
+
+def bucket(length: int, step: int = 64) -> int:
+    """``replaynoise.engines.states.bucket``, which imports polars through the package's I/O (the lent GPU has none)."""
+    return -(-length // step) * step
 
 #: the configurations of the packaged models (their config.json), as (class, config)
 SHAPES = {

@@ -369,15 +369,16 @@ def test_read_json_names_a_truncated_file(tmp_path):
 
 
 def test_the_static_attention_variable_is_checked_by_name_and_recorded(monkeypatch, git_repo):
-    from replaynoise.engines.fast import STATIC_ATTENTION, static_attention
+    from replaynoise.engines.fast import INVARIANT_ATTENTION, STATIC_ATTENTION, static_attention
 
     config = validate_config(yaml.safe_load(DEFAULT_CONFIG_PATH.read_text()))
     repo, _ = git_repo
     monkeypatch.delenv("REPLAYNOISE_STATIC_ATTENTION", raising=False)
-    assert static_attention() == STATIC_ATTENTION == "sdpa"
+    assert static_attention() == STATIC_ATTENTION == "gemm"
+    assert static_attention(invariant=True) == INVARIANT_ATTENTION == "sdpa"
     assert provenance_record(config, "h", repo)["environment"] == {"REPLAYNOISE_STATIC_ATTENTION": None}
     monkeypatch.setenv("REPLAYNOISE_STATIC_ATTENTION", "gemm")
-    assert static_attention() == "gemm"
+    assert static_attention() == static_attention(invariant=True) == "gemm"
     assert provenance_record(config, "h", repo)["environment"]["REPLAYNOISE_STATIC_ATTENTION"] == "gemm"
     monkeypatch.setenv("REPLAYNOISE_STATIC_ATTENTION", "flash")
     with pytest.raises(ValueError, match="REPLAYNOISE_STATIC_ATTENTION='flash': expected one of"):

@@ -36,17 +36,23 @@ from replaynoise.engines.sampling import sample_rows
 log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------- CPU matmuls
-#: The static decoder's attention: ``sdpa`` (PyTorch picks the kernel), ``efficient`` (its memory-efficient
-#: kernel) or ``gemm`` (two batched GEMMs over the cache). ``REPLAYNOISE_STATIC_ATTENTION`` overrides the default
-#: for a run (a tuning knob of benchmarks/profile_step.py; provenance.json records it).
+#: The static decoder's attention: ``sdpa`` (PyTorch picks the kernel: cuDNN's on an H200), ``efficient`` (its
+#: memory-efficient kernel) or ``gemm`` (two batched GEMMs and a float32 softmax over the cache, compiled with the
+#: layer body on CUDA). ``gemm`` is the stock decoders' default: a decode step's attention reads each row's cache
+#: once, and cuDNN's kernel took longer for it at every shape measured on an H200, 0-25% of the whole step
+#: (benchmarks/static_attention.py, benchmarks/results/h200-static-attention.json). The invariant decoder keeps
+#: ``sdpa``, with which its bitwise identity across passes was verified on the H200 (reference/gpu).
+#: ``REPLAYNOISE_STATIC_ATTENTION`` overrides both for a run (a tuning knob; provenance.json records it).
 STATIC_ATTENTIONS = ("sdpa", "efficient", "gemm")
-STATIC_ATTENTION = "sdpa"
+STATIC_ATTENTION = "gemm"
+INVARIANT_ATTENTION = "sdpa"
 STATIC_ATTENTION_VARIABLE = "REPLAYNOISE_STATIC_ATTENTION"
 
 
-def static_attention() -> str:
-    """The attention the static decoders of this process use: the default, or the variable's value."""
-    value = os.environ.get(STATIC_ATTENTION_VARIABLE, STATIC_ATTENTION)
+def static_attention(invariant: bool = False) -> str:
+    """The attention this process's static decoders use (the invariant decoder's, with ``invariant``): the
+    default, or the variable's value."""
+    value = os.environ.get(STATIC_ATTENTION_VARIABLE, INVARIANT_ATTENTION if invariant else STATIC_ATTENTION)
     if value not in STATIC_ATTENTIONS:
         raise ValueError(f"{STATIC_ATTENTION_VARIABLE}={value!r}: expected one of {STATIC_ATTENTIONS}")
     return value
@@ -362,7 +368,7 @@ class AlignedDecoder(StaticDecoder):
     decode-time KV bit for bit. The engine must use one decoder shape for a configuration's rollouts and all
     its passes (``invariant_rows``, ``invariant_context``)."""
 
-    def __init__(self, model, rows: int, length: int, *, graphs: bool, attention: str = STATIC_ATTENTION) -> None:
+    def __init__(self, model, rows: int, length: int, *, graphs: bool, attention: str = INVARIANT_ATTENTION) -> None:
         super().__init__(model, rows, length, graphs=graphs, attention=attention)
         self.write = torch.zeros(rows, device=self.device, dtype=torch.int64)
         self.forced = torch.zeros(rows, length, device=self.device, dtype=torch.int64)

@@ -82,7 +82,7 @@ class HFEngine(HFRollouts):
         self._aligned_decoder: AlignedDecoder | None = None
         self._decoders: OrderedDict[tuple[int, int, bool], StaticDecoder] = OrderedDict()
         self._graphs = graphs  # CUDA graphs for the static decode (off: each step eager, to compare against)
-        self.attention = static_attention()
+        self.attention = static_attention(self.invariant)
         self.topk = topk
         self.stop_ids = set(stop_ids)  # text tokens that end a response (configs.X.stop) as the EOS ids do
         self.eos_ids = eos_token_ids(model.generation_config, tokenizer) | self.stop_ids

@@ -176,10 +176,9 @@ def row_bucket(rows: int) -> int:
 
 def bucket(length: int, step: int = 64) -> int:
     """Static cache lengths rounded up to a multiple of ``step``, so that the batches of a pass share a decoder
-    and its captured graph (a batch's longest prefix is nearly the pass's longest). Not coarser: every step's
-    attention reads the whole buffer, masked slots included. With 256-slot buckets, cuDNN's attention took 119
-    us per layer of a 5.6 ms step at 1,024 rows of SmolLM2 and a mean context of 90 (64% of the step; H200,
-    benchmarks/results/h200-profile-b1024-refeed.txt)."""
+    and its captured graph (a batch's longest prefix is nearly the pass's longest). Not coarser: the stock
+    decoders' attention (two GEMMs, ``fast.STATIC_ATTENTION``) reads every slot of the buffer, masked or not, at
+    every step. (cuDNN's kernel, the previous default, works in tiles: 192 and 256 slots cost it the same.)"""
     return -(-length // step) * step
 
 
