@@ -97,3 +97,20 @@ def test_drift_of_a_padded_batch_equals_the_drift_measured_state_by_state(tmp_pa
     assert [s.kv_maxdiff for s in chunked] == [s.kv_maxdiff for s in one_by_one]
     assert [s.kv_maxdiff is None for s in chunked] == [False, False, True, True]
     assert all(len(s.kv_maxdiff) == 4 and max(s.kv_maxdiff) > 0 for s in chunked[:2])
+
+
+def test_a_header_of_the_wrong_types_is_refused_not_crashed_on(tmp_path):
+    import json
+    import struct
+
+    save_kv(cache(), 7, tmp_path / "a.safetensors")
+    whole = (tmp_path / "a.safetensors").read_bytes()
+    (size,) = struct.unpack_from("<Q", whole)
+    header = json.loads(whole[8:8 + size])
+    for name in header:
+        if name != "__metadata__":
+            header[name]["shape"] = "1x2x7x4"  # all alike: the layout checks pass, the types do not
+    text = json.dumps(header).encode()
+    (tmp_path / "typed.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + whole[8 + size:])
+    with pytest.raises(VerificationError, match="typed.safetensors"):
+        load_kv_file(tmp_path / "typed.safetensors")

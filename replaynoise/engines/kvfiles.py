@@ -139,31 +139,34 @@ def _stacked_view(data: bytes | bytearray) -> tuple[torch.Tensor, list[int] | No
     ``data`` (no copy), and its ids; None for any other layout (files of earlier versions, sliding-window layers,
     anything malformed), which the safetensors reader then parses or rejects."""
     try:
-        (size,) = struct.unpack_from("<Q", data)
-        header = json.loads(bytes(data[8:8 + size]))
-        header.pop("__metadata__", None)
-        ids = header.pop("ids", None)
-        n = len(header) // 2
-        entries = [header[f"{kind}.{i}"] for i in range(n) for kind in "kv"]
-    except (struct.error, ValueError, KeyError, TypeError):
+        return _stacked_layout(data)
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError, RuntimeError):
         return None
-    first = entries[0] if n else None
-    if (not n or len(header) != 2 * n or first["dtype"] not in _TORCH_DTYPES
-            or any(e["dtype"] != first["dtype"] or e["shape"] != first["shape"] for e in entries)):
+
+
+def _stacked_layout(data: bytes | bytearray) -> tuple[torch.Tensor, list[int] | None] | None:
+    (size,) = struct.unpack_from("<Q", data)
+    header = json.loads(bytes(data[8:8 + size]))
+    header.pop("__metadata__", None)
+    ids = header.pop("ids", None)
+    n = len(header) // 2
+    if not n or len(header) != 2 * n:
+        return None
+    entries = [header[f"{kind}.{i}"] for i in range(n) for kind in "kv"]
+    first = entries[0]
+    if first["dtype"] not in _TORCH_DTYPES or any(e["dtype"] != first["dtype"] or e["shape"] != first["shape"]
+                                                  for e in entries):
         return None
     dtype = _TORCH_DTYPES[first["dtype"]]
     nbytes = dtype.itemsize * math.prod(first["shape"])
     if [e["data_offsets"] for e in entries] != [[i * nbytes, (i + 1) * nbytes] for i in range(2 * n)]:
         return None
-    base = 8 + size
-    end = base + 2 * n * nbytes
-    if ids is not None:
-        if ids.get("dtype") != "I64" or ids.get("data_offsets") != [2 * n * nbytes, 2 * n * nbytes + 8 * ids["shape"][0]]:
-            return None
-        end += 8 * ids["shape"][0]
+    base, cache_end = 8 + size, 8 + size + 2 * n * nbytes
+    end = cache_end if ids is None else cache_end + 8 * ids["shape"][0]
+    if ids is not None and (ids["dtype"] != "I64" or ids["data_offsets"] != [2 * n * nbytes, end - base]):
+        return None
     if end != len(data):
         return None
     buffer = memoryview(data)
-    kv = torch.frombuffer(buffer[base:base + 2 * n * nbytes], dtype=torch.uint8).view(dtype)
-    id_list = None if ids is None else torch.frombuffer(buffer[base + 2 * n * nbytes:end], dtype=torch.int64).tolist()
-    return kv.view(n, 2, *first["shape"]), id_list
+    kv = torch.frombuffer(buffer[base:cache_end], dtype=torch.uint8).view(dtype).view(n, 2, *first["shape"])
+    return kv, None if ids is None else torch.frombuffer(buffer[cache_end:end], dtype=torch.int64).tolist()
