@@ -4,8 +4,9 @@ the step's cost does not depend on their values) and the batch sizes and context
 
     PYTHONPATH=. python benchmarks/static_attention.py [--out FILE.json]
 
-Needs a CUDA device and torch and transformers only (no model weights, no workflow packages). Prints one row per
-(model, rows, prefix) with the median step time of each attention over several loads of the decoder.
+Needs a CUDA device and the workflow's packages (on the lent H200: staged by ../shared/tools/gpu-stage), no model
+weights. Prints one row per (model, rows, prefix) with the median step time of each attention over several loads
+of the decoder.
 """
 
 from __future__ import annotations
@@ -21,11 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replaynoise.engines.fast import StaticDecoder  # noqa: E402
-
-
-def bucket(length: int, step: int = 64) -> int:
-    """``replaynoise.engines.states.bucket``, which imports polars through the package's I/O (the lent GPU has none)."""
-    return -(-length // step) * step
+from replaynoise.engines.states import bucket  # noqa: E402
 
 #: the configurations of the packaged models (their config.json), as (class, config)
 SHAPES = {

@@ -4,6 +4,8 @@ and the comparison of re-fed KV with them."""
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 
 import pytest
 import torch
@@ -100,9 +102,6 @@ def test_drift_of_a_padded_batch_equals_the_drift_measured_state_by_state(tmp_pa
 
 
 def test_a_header_of_the_wrong_types_is_refused_not_crashed_on(tmp_path):
-    import json
-    import struct
-
     save_kv(cache(), 7, tmp_path / "a.safetensors")
     whole = (tmp_path / "a.safetensors").read_bytes()
     (size,) = struct.unpack_from("<Q", whole)
