@@ -120,6 +120,25 @@ def _as_singleton_lists(s: pl.Series) -> pl.Series:
     return s.to_frame("v").select(pl.concat_list(pl.col("v").cast(pl.Float64))).to_series()
 
 
+def _samples(name: str) -> bool:
+    """Whether pass ``name`` runs on a sample of the pivots (``serial``); unknown names (tests) do not."""
+    try:
+        return pass_spec(name).sample_key is not None
+    except ValueError:
+        return False
+
+
+def _on_common_pivots(name_a: str, df_a: pl.DataFrame, name_b: str, df_b: pl.DataFrame
+                      ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Both frames restricted to the pivots of whichever runs on a sample: a pass over 50 pivots is compared
+    with the other's rows of those pivots, not counted as missing the rest."""
+    for name, df in ((name_a, df_a), (name_b, df_b)):
+        if _samples(name):
+            ids = df["pivot_id"].unique()
+            df_a, df_b = df_a.filter(pl.col("pivot_id").is_in(ids)), df_b.filter(pl.col("pivot_id").is_in(ids))
+    return df_a, df_b
+
+
 def channel_agreement(passes: Mapping[str, pl.DataFrame], credit: Mapping[str, pl.DataFrame]) -> pl.DataFrame:
     """Share of bitwise-identical values per channel, for every unordered pair of passes.
 
@@ -129,7 +148,8 @@ def channel_agreement(passes: Mapping[str, pl.DataFrame], credit: Mapping[str, p
     """
     rows: list[dict] = []
     for name_a, name_b in itertools.combinations(sorted(passes), 2):
-        rows += _row_channels(name_a, passes[name_a], name_b, passes[name_b])
+        df_a, df_b = _on_common_pivots(name_a, passes[name_a], name_b, passes[name_b])
+        rows += _row_channels(name_a, df_a, name_b, df_b)
         if name_a in credit and name_b in credit:
             rows += _pivot_channels(name_a, credit[name_a], name_b, credit[name_b])
     schema = {"pass_a": pl.String, "pass_b": pl.String, "channel": pl.String, "n": pl.Int64,

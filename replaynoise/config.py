@@ -71,7 +71,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
 def validate_config(config: dict) -> dict:
     """Return a validated copy of ``config`` with defaults filled; raise ConfigError naming the bad key."""
     schema = load_schema()
+    given = copy.deepcopy(config)
     config = _fill_defaults(schema, copy.deepcopy(config))
+    _fill_engine_settings(schema, config, given)
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:
@@ -81,6 +83,49 @@ def validate_config(config: dict) -> dict:
     _fill_invariant_shape(config)
     _check_semantics(config)
     return _sorted_keys(config)
+
+
+#: the serial pass's pivots where replay.serial_pivots is not given
+SERIAL_PIVOTS = 50
+#: vLLM settings that cannot change a number (how much of the GPU it may take), left out of the analysis hash
+UNHASHED_VLLM_KEYS = ("gpu_memory_utilization",)
+
+
+def _fill_engine_settings(schema: dict, config: dict, as_given: dict) -> None:
+    """Settings that exist only where they apply, filled there: each vllm configuration's ``vllm`` block (every
+    key its schema default) and ``replay.serial_pivots`` where the serial pass runs. Filling them everywhere
+    would change the settings, and so the analysis hash and the rerun triggers, of every configuration that
+    does not use them. ``as_given`` is the configuration before the schema's defaults were filled in: a
+    derived default (eager, by device and kernels) must tell a value the user gave from a filled one."""
+    vllm_schema = schema["properties"]["configs"]["additionalProperties"]["properties"]["vllm"]
+    for name, settings in (config.get("configs") or {}).items():
+        if not isinstance(settings, dict):
+            continue  # the schema names it
+        if settings.get("engine") == "vllm":
+            given = ((as_given.get("configs") or {}).get(name) or {}).get("vllm", {})
+            if not isinstance(given, dict):
+                continue  # not a mapping: the schema names it
+            if settings.get("kernels") == "invariant":
+                if given.get("eager") is False:
+                    raise ConfigError(
+                        f"config key configs.{name}.vllm.eager: false with kernels invariant - the engine's "
+                        "row-invariant add-RMSNorm and top-k/top-p replace vLLM's custom-op path, which compiled "
+                        "mode does not take (its norms are then compiled per batch shape); use eager: true (the "
+                        "default under invariant)")
+                given = {**given, "eager": True}
+            if settings.get("device") == "cpu":
+                if given.get("async_scheduling") is True:
+                    raise ConfigError(f"config key configs.{name}.vllm.async_scheduling: true on device cpu, where "
+                                      "vLLM's CPU backend always turns it off; remove it or set it false")
+                # CUDA graphs are a GPU's; torch.compile of a model on a CPU costs minutes a job, for nothing here
+                given = {"eager": True, **given, "async_scheduling": False}
+            settings["vllm"] = _fill_defaults(vllm_schema, copy.deepcopy(given))
+        elif "vllm" in settings:
+            raise ConfigError(f"config key configs.{name}.vllm: settings of the vllm engine, but this configuration's "
+                              f"engine is {settings.get('engine')!r}; remove the block or set engine: vllm")
+    replay = config.get("replay")
+    if isinstance(replay, dict) and "serial" in (replay.get("passes") or []):
+        replay.setdefault("serial_pivots", SERIAL_PIVOTS)
 
 
 #: rows of the invariant decoder shape, and the prompt tokens its default length leaves room for
@@ -191,6 +236,7 @@ def _check_semantics(config: dict) -> None:
                 f"rollout tokens plus {config['replay']['max_new_tokens']} continuation tokens reach {budget}, "
                 f"beyond the {context} positions {settings['model']} attends over (with the prompt)")
         _check_engine(name, settings, config["replay"]["passes"])
+        _check_vllm_settings(name, settings, budget)
     _check_passes(config["replay"]["passes"])
 
 
@@ -224,6 +270,28 @@ def _check_engine(name: str, settings: dict, passes: list[str]) -> None:
                           "no batch-invariant kernels. Use kernels: stock, or engine: hf")
 
 
+def _check_vllm_settings(name: str, settings: dict, budget: int) -> None:
+    """What vLLM would refuse only once the engine is built, minutes into a job, refused by key here."""
+    if settings["engine"] != "vllm":
+        return
+    v = settings["vllm"]
+    if v["max_model_len"] <= budget:
+        raise ConfigError(f"config key configs.{name}.vllm.max_model_len: {v['max_model_len']} positions do not hold "
+                          f"a prompt plus {budget} rollout and continuation tokens (configs.{name}.max_new_tokens + "
+                          "replay.max_new_tokens); raise it")
+    context = context_length(settings["model"])
+    if context is not None and v["max_model_len"] > context:
+        raise ConfigError(f"config key configs.{name}.vllm.max_model_len: {v['max_model_len']} is beyond the "
+                          f"{context} positions {settings['model']} attends over; lower it")
+    if not v["chunked_prefill"] and v["max_num_batched_tokens"] < v["max_model_len"]:
+        raise ConfigError(f"config key configs.{name}.vllm.max_num_batched_tokens: {v['max_num_batched_tokens']} is "
+                          f"below max_model_len {v['max_model_len']} with chunked_prefill false, so a long prompt "
+                          "could never be scheduled; raise it or turn chunked_prefill on")
+    if v["max_num_batched_tokens"] < v["max_num_seqs"]:
+        raise ConfigError(f"config key configs.{name}.vllm.max_num_batched_tokens: {v['max_num_batched_tokens']} is "
+                          f"below max_num_seqs {v['max_num_seqs']}: a decode step of that many sequences would not fit")
+
+
 def _plain(name: str) -> bool:
     try:
         return pass_spec(name).source.plain
@@ -236,8 +304,14 @@ def protocol_settings(config: dict) -> dict:
 
 
 def analysis_hash(config: dict) -> str:
-    """The pre-registration fingerprint: written into every table, so a later change of settings shows."""
-    return stable_hash(protocol_settings(config))
+    """The pre-registration fingerprint: written into every table, so a later change of settings shows. Settings
+    that cannot change a number (``UNHASHED_VLLM_KEYS``) are left out."""
+    settings = copy.deepcopy(protocol_settings(config))
+    for entry in (settings.get("configs") or {}).values():
+        if isinstance(entry, dict) and isinstance(entry.get("vllm"), dict):
+            for key in UNHASHED_VLLM_KEYS:
+                entry["vllm"].pop(key, None)
+    return stable_hash(settings)
 
 
 def deviations(config: dict, defaults: dict | None = None) -> list[dict]:

@@ -15,7 +15,7 @@ import polars as pl
 
 from replaynoise.figures import message_figure, new_figure, save_figure
 from replaynoise.io import atomic_path
-from replaynoise.passes import LAYER_PASS, pass_spec
+from replaynoise.passes import FLOOR_CONTROLS, FLOOR_PASSES, LAYER_PASS, pass_spec
 
 PathLike = str | os.PathLike
 CHANNEL_LABELS = {"token_ids": "continuation tokens", "next_topk": "first-step top-k log-probs", "a_hat": "credit Â"}
@@ -28,7 +28,8 @@ def control_outputs(passes: Sequence[str]) -> dict[str, list[str]]:
     specs = [pass_spec(p) for p in passes]
     figures = (["transplant"] if any(s.donor for s in specs) else []) + (
         ["transplant_layers"] if any(LAYER_PASS.fullmatch(p) for p in passes) else [])
-    tables = ["controls"] if any(not s.source.plain for s in specs) else []
+    tables = (["controls"] if any(not s.source.plain for s in specs) else []) + (
+        ["floors"] if any(p in FLOOR_CONTROLS for p in passes) else [])
     return {"figures": figures, "tables": tables}
 
 
@@ -204,7 +205,7 @@ def render_controls_markdown(transplant: pl.DataFrame, precision: pl.DataFrame, 
     return "\n".join(lines) + "\n"
 
 
-def write_control_tables(results: Mapping[str, dict], analysis_hash: str, out_csv: PathLike,
+def write_controls_table(results: Mapping[str, dict], analysis_hash: str, out_csv: PathLike,
                          out_md: PathLike) -> None:
     """controls.csv (both kinds of row, long: one row per configuration, control and statistic) and controls.md."""
     transplant, precision = control_rows(results)
@@ -224,3 +225,69 @@ def write_control_tables(results: Mapping[str, dict], analysis_hash: str, out_cs
     with atomic_path(out_md) as tmp:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(render_controls_markdown(transplant, precision, analysis_hash))
+
+
+# ---------------------------------------------------------------------------------------------- floors
+
+#: The conditionings the floors table shows: the paper's main set, and every eligible pivot (the serial pass's
+#: sample is small, and its floor needs no nonzero estimate to be meaningful).
+FLOOR_CONDITIONINGS = ("main", "none")
+
+
+def floor_rows(results: Mapping[str, dict] | None) -> pl.DataFrame:
+    """Per configuration and conditioning, each disagreement beside the replica floor: D(exact, replica),
+    D(exact, refeed), and D(reference, p) for every floor pass p that ran (the re-feed's own floor
+    D(refeed, refeed_replica); the floor without batching D(exact, serial), on the serial pass's pivots)."""
+    rows = []
+    for cfg, res in (results or {}).items():
+        for cond in FLOOR_CONDITIONINGS:
+            block = ((res or {}).get("conditionings") or {}).get(cond) or {}
+            if not block.get("available"):
+                continue
+            entries = [("replica", "exact", block.get("disagreement", {}).get("exact_vs_replica"), block),
+                       ("refeed", "exact", block.get("disagreement", {}).get("exact_vs_refeed"), block)]
+            for name in FLOOR_PASSES:
+                other = (block.get("other_passes") or {}).get(name)
+                if other:
+                    ref = pass_spec(name).reference
+                    entries.append((name, ref, other.get(f"vs_{ref}"), other))
+            for name, ref, stat, scope in entries:
+                stat = stat or {}
+                rows.append({"config": cfg, "conditioning": cond, "pass": name, "compared_with": ref,
+                             "n": scope.get("n"), "n_problems": scope.get("n_problems"),
+                             "disagreement": stat.get("estimate"), "ci_lo": stat.get("ci_lo"),
+                             "ci_hi": stat.get("ci_hi"), "n_disagree": stat.get("n_disagree"),
+                             "text": _pct(stat), "note": scope.get("note")})
+    schema = {"config": pl.String, "conditioning": pl.String, "pass": pl.String, "compared_with": pl.String,
+              "n": pl.Int64, "n_problems": pl.Int64, "disagreement": pl.Float64, "ci_lo": pl.Float64,
+              "ci_hi": pl.Float64, "n_disagree": pl.Int64, "text": pl.String, "note": pl.String}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def render_floors_markdown(rows: pl.DataFrame, analysis_hash: str) -> str:
+    lines = ["# Floors: each disagreement beside the floor it is read against", "",
+             f"analysis hash {analysis_hash}; sign-change rates of Â in %, 95% problem-cluster bootstrap CIs in "
+             "brackets. replica: D(exact, replica), the replica floor; refeed: D(exact, refeed); refeed_replica: "
+             "D(refeed, refeed_replica), the re-feed's own floor; serial: D(exact, serial), exact resume one "
+             "request at a time, on the serial pass's pivots; replica_fresh: D(exact, replica_fresh), fresh seeds.",
+             "", "| config | conditioning | pass | vs | n (problems) | disagreement % | pivots that differ |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows.iter_rows(named=True):
+        n = "n/a" if r["n"] is None else f"{r['n']} ({r['n_problems']})"
+        lines.append(f"| {r['config']} | {r['conditioning']} | {r['pass']} | {r['compared_with']} | {n} | "
+                     f"{r['text']} | {'n/a' if r['n_disagree'] is None else r['n_disagree']} |")
+    notes = sorted({f"{r['config']} / {r['conditioning']} / {r['pass']}: {r['note']}"
+                    for r in rows.iter_rows(named=True) if r["note"]})
+    return "\n".join(lines + [""] + [f"- note: {n}" for n in notes]) + "\n"
+
+
+def write_floors_table(results: Mapping[str, dict], analysis_hash: str, out_csv: PathLike, out_md: PathLike) -> None:
+    """floors.csv (one row per configuration, conditioning and pass) and floors.md."""
+    rows = floor_rows(results)
+    with atomic_path(out_csv) as tmp:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(f"# analysis_hash={analysis_hash}\n")
+            fh.write(rows.drop("text").write_csv())
+    with atomic_path(out_md) as tmp:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(render_floors_markdown(rows, analysis_hash))

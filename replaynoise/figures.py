@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 
 from replaynoise.analysis import eligible_frame
 from replaynoise.io import atomic_path
+from replaynoise.passes import pass_spec
 from replaynoise.stats import disagree
 
 PNG_METADATA = {"Software": None}
@@ -41,6 +42,7 @@ def plot_options(name: str, config: Mapping[str, Any]) -> dict[str, Any]:
         options.update(n_bins=config["figures"]["margin_bins"], metric=config["analysis"]["metric"])
     return options
 COLORS = {"floor": "#7f7f7f", "refeed": "#d62728", "refeed_text": "#ff7f0e", "replica_fresh": "#1f77b4",
+          "refeed_replica": "#e377c2", "serial": "#2ca02c",
           "zero_crossing": "#d62728", "reversal": "#9467bd", "magnitude": "#bcbd22", "ceiling": "#7f7f7f"}
 
 PathLike = str | os.PathLike
@@ -123,8 +125,10 @@ def plot_disagreement(results: Mapping[str, dict] | None, out_png: PathLike, out
     series: list[tuple[str, str, Any]] = [("replica floor", "floor", lambda b: b["disagreement"]["exact_vs_replica"]),
                                           ("re-feed", "refeed", lambda b: b["disagreement"]["exact_vs_refeed"])]
     extras = sorted({p for b in blocks.values() for p in (b.get("other_passes") or {})})
-    for p in extras:
-        series.append((p, p, lambda b, p=p: (b.get("other_passes") or {}).get(p, {}).get("vs_exact", {})))
+    for p in extras:  # each against the pass it replicates (the re-feed's replica against the re-feed)
+        ref = pass_spec(p).reference
+        series.append((p if ref == "exact" else f"{p} vs {ref}", p,
+                       lambda b, p=p, ref=ref: (b.get("other_passes") or {}).get(p, {}).get(f"vs_{ref}", {})))
     fig = new_figure(max(6.0, 1.3 * len(blocks) + 3), 4.0)
     ax = fig.add_subplot()
     x = np.arange(len(blocks))

@@ -39,6 +39,9 @@ class PrefixSource:
     layers: tuple[int, int | None] = (0, None)
     prefix_dtype: str | None = None
     continuation_dtype: str | None = None
+    #: keeps this pass's own prefill state apart from another pass's of the same kind where an engine could
+    #: share it (vLLM: its cache salt), so that a replica of a re-feed computes its prefixes again
+    tag: str = ""
 
     def __post_init__(self) -> None:
         for key, value in (("kind", self.kind), ("donor", self.donor)):
@@ -66,6 +69,8 @@ class PrefixSource:
             label += f"+prefix:{self.prefix_dtype}"
         if self.continuation_dtype:
             label += f"+continuation:{self.continuation_dtype}"
+        if self.tag:
+            label += f"#{self.tag}"
         return label
 
 
@@ -88,6 +93,12 @@ class PassSpec:
     recipient: str | None = None
     #: a fixed-prefix precision arm: (name of the arm, the pass it is compared with)
     precision: tuple[str, str] | None = None
+    #: rows per batch, whatever replay.batch_size says (None: that)
+    batch_rows: int | None = None
+    #: the replay key that sizes a seeded sample of the pivots this pass runs on (None: every pivot)
+    sample_key: str | None = None
+    #: the pass it is the replica of, whose disagreement with it the figures and the floors table show
+    reference: str = "exact"
 
 
 PASSES: dict[str, PassSpec] = {
@@ -100,6 +111,13 @@ PASSES: dict[str, PassSpec] = {
     "selector": PassSpec(PrefixSource("decode_kv"), "selector",
                          "exact with fresh seeds: decides informativeness independently"),
     "replica_fresh": PassSpec(PrefixSource("decode_kv"), "fresh", "exact with fresh seeds: the Monte-Carlo floor"),
+    # the two controls the paper names as its own limitations
+    "refeed_replica": PassSpec(PrefixSource("refeed_ids", tag="replica"), "crn",
+                               "the re-feed again, as an independent pass (other batch compositions, its prefixes "
+                               "prefilled anew): the re-feed's own floor", reference="refeed"),
+    "serial": PassSpec(PrefixSource("decode_kv"), "crn",
+                       "exact, one request at a time, on a seeded sample of the pivots: the floor without batching",
+                       batch_rows=1, sample_key="serial_pivots"),
     # cache transplants (HF engine): the recipient's own state is built, then the donor's KV swapped in
     "transplant_decode": PassSpec(
         PrefixSource("refeed_ids", donor="decode_kv"), "crn",
@@ -122,6 +140,10 @@ PASSES: dict[str, PassSpec] = {
         "refeed with the continuation decoded in float32 (the re-fed KV cast up)",
         schedule="refeed", precision=("continuation in float32", "exact_fp32cont")),
 }
+#: The controls of the paper's own limitations, which plan the floors table (replica_fresh joins it where it runs).
+FLOOR_CONTROLS = ("refeed_replica", "serial")
+#: Passes that measure a floor of the pass they replicate (``PassSpec.reference``), in the floors table's order.
+FLOOR_PASSES = ("replica_fresh", "refeed_replica", "serial")
 #: Per-layer transplants, a family of names: ``transplant_refeed_lo<L>`` swaps the re-fed KV into the exact pass
 #: for layers [0, L) only, ``transplant_refeed_hi<L>`` for layers [L, n).
 LAYER_PASS = re.compile(r"transplant_refeed_(lo|hi)(\d+)")
@@ -146,8 +168,3 @@ def pass_spec(name: str) -> PassSpec:
 def schedule_of(name: str) -> str:
     """The pass whose batch layout pass ``name`` runs in."""
     return pass_spec(name).schedule or name
-
-
-def plain_passes(names: list[str]) -> list[str]:
-    """The passes any engine can run (no transplant, no precision change)."""
-    return [n for n in names if pass_spec(n).source.plain]

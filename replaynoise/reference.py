@@ -209,7 +209,7 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
         written += [png, pdf]
     for name in controls["tables"]:
         csv_file, md = out / "tables" / f"{name}.csv", out / "tables" / f"{name}.md"
-        control_report.write_control_tables(comparisons, pooled_ref["analysis_hash"], csv_file, md)
+        getattr(control_report, f"write_{name}_table")(comparisons, pooled_ref["analysis_hash"], csv_file, md)
         written += [csv_file, md]
     return written
 

@@ -9,7 +9,7 @@ result is the same as an uninterrupted one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -105,6 +105,17 @@ def probe_requests(requests: list[ContinuationRequest]) -> list[ContinuationRequ
     return [replace(req, k=PROBE_K) for req in requests if req.k == 0]
 
 
+def pivot_sample(pivots: pl.DataFrame, n: int, seed: int) -> pl.DataFrame:
+    """A seeded sample of ``n`` pivots (all of them when there are fewer), in the frame's order: the same pivots
+    for a given seed whatever the shard count or a resume."""
+    if n >= pivots.height:
+        return pivots
+    ids = sorted(pivots["pivot_id"].to_list())
+    chosen = set(np.random.default_rng(seed).choice(len(ids), size=n, replace=False).tolist())
+    keep = {ids[i] for i in chosen}
+    return pivots.filter(pl.col("pivot_id").is_in(keep))
+
+
 def make_schedule(n_rows: int, batch_size: int, seed: int) -> list[list[int]]:
     """Shuffle the rows with the pass's schedule seed and cut them into batches, as arrival order would."""
     order = np.random.default_rng(seed).permutation(n_rows)
@@ -114,13 +125,22 @@ def make_schedule(n_rows: int, batch_size: int, seed: int) -> list[list[int]]:
 def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: str, config_name: str,
              seed: int, k: int, sampling: SamplingSettings, batch_size: int, work_dir: Path,
              shard: tuple[int, int] = (0, 1), kv_dirs: Sequence[Path] | None = None, probe_tokens: int = 0,
-             scratch_key: str = "") -> pl.DataFrame:
+             scratch_key: str = "", sample_sizes: Mapping[str, int] | None = None) -> pl.DataFrame:
     """Run (or resume) one pass, or shard ``(index, count)`` of it; returns one graded row per continuation
     (and, with ``probe_tokens``, one greedy probe row per branch, k = -1, that ``gather`` folds in).
 
     The schedule is always that of the whole pass (``replaynoise.shards``), so sharding never changes a batch.
+    A pass whose spec fixes its batch rows (``serial``: 1) runs so whatever ``batch_size`` says; one whose spec
+    names a sample key runs on a seeded sample of the pivots of the size ``sample_sizes`` gives under that key.
     """
     spec = pass_spec(pass_name)
+    if spec.sample_key is not None:
+        if not sample_sizes or spec.sample_key not in sample_sizes:
+            raise ValueError(f"pass {pass_name!r} runs on a sample of the pivots sized by replay.{spec.sample_key}, "
+                             "which was not given")
+        pivots = pivot_sample(pivots, sample_sizes[spec.sample_key],
+                              derive_seed(seed, config_name, "sample", pass_name))
+    batch_size = spec.batch_rows or batch_size
     requests = build_requests(pivots, rollouts, pass_name=pass_name, k=k, seed=seed, config_name=config_name,
                               tokenizer=engine.tokenizer, kv_dirs=kv_dirs)
     # a control pass packs its batches as the pass it varies does (PassSpec.schedule)

@@ -149,7 +149,7 @@ BAD_VALUES = {
     "k-zero": ("replay.k", 0, ["replay.k", "minimum of 1"]),
     "unknown-pass": ("replay.passes", ["exact", "replica", "refeed", "bogus"],
                      ["replay.passes", "'bogus'", "allowed values: exact, replica, refeed, selector, refeed_text, "
-                      "replica_fresh, transplant_decode", "transplant_refeed_lo<L>"]),
+                      "replica_fresh, refeed_replica, serial, transplant_decode", "transplant_refeed_lo<L>"]),
     "passes-without-refeed": ("replay.passes", ["exact", "replica", "selector"], ["replay.passes", "'refeed'"]),
     "unknown-source": ("dataset.source", "mnist",
                        ["dataset.source", "'mnist'", "allowed values: simple_addsub, gsm8k, svamp, mawps_addsub, "
@@ -412,3 +412,71 @@ def test_report_captions_substitute_nothing_by_accident():
         text = re.sub(r"\{\{.*?\}\}", "", caption.read_text())
         assert not re.search(r"\|[^|\s][^|]*\|", text), caption.name
         assert "{" not in text and "}" not in text, caption.name
+
+
+# ------------------------------------------------------------------------------------------ vLLM settings
+
+def _vllm(committed: dict, **settings) -> dict:
+    config = copy.deepcopy(committed)
+    config["configs"]["smollm2-bf16"].update(engine="vllm", **settings)
+    return config
+
+
+def test_vllm_settings_default_to_the_papers_regime_and_exist_only_for_vllm(committed):
+    hf = validate_config(committed)["configs"]["smollm2-bf16"]
+    assert "vllm" not in hf  # an hf configuration's settings, and so its analysis hash, are as before
+    gpu = validate_config(_vllm(committed, device="cuda", block_size=16))["configs"]["smollm2-bf16"]["vllm"]
+    assert gpu == {"eager": False, "max_num_seqs": 256, "max_num_batched_tokens": 8192, "chunked_prefill": True,
+                   "async_scheduling": True, "max_model_len": 4096, "gpu_memory_utilization": 0.92}
+    cpu = validate_config(_vllm(committed))["configs"]["smollm2-bf16"]["vllm"]
+    assert cpu["eager"] is True and cpu["async_scheduling"] is False  # CUDA graphs are a GPU's; so is async here
+    with pytest.raises(ConfigError, match=r"vllm\.async_scheduling: true on device cpu"):
+        validate_config(_vllm(committed, vllm={"async_scheduling": True}))
+    assert validate_config(_vllm(committed, vllm={"eager": False}))["configs"]["smollm2-bf16"]["vllm"]["eager"] is False
+
+
+def test_invariant_vllm_is_eager_and_refuses_compiled_mode_by_name(committed):
+    inv = validate_config(_vllm(committed, device="cuda", block_size=16, kernels="invariant"))
+    assert inv["configs"]["smollm2-bf16"]["vllm"]["eager"] is True
+    assert inv["configs"]["smollm2-bf16"]["vllm"]["max_num_seqs"] == 256  # nothing else overridden
+    with pytest.raises(ConfigError, match=r"configs\.smollm2-bf16\.vllm\.eager: false with kernels invariant"):
+        validate_config(_vllm(committed, device="cuda", block_size=16, kernels="invariant", vllm={"eager": False}))
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"vllm": {"max_model_len": 64}}, r"configs\.smollm2-bf16\.vllm\.max_model_len: 64 positions do not hold"),
+    ({"vllm": {"max_model_len": 9000}}, r"configs\.smollm2-bf16\.vllm\.max_model_len: 9000 is beyond the 8192"),
+    ({"vllm": {"chunked_prefill": False, "max_num_batched_tokens": 2048}},
+     r"vllm\.max_num_batched_tokens: 2048 is below max_model_len 4096 with chunked_prefill false"),
+    ({"vllm": {"max_num_seqs": 512, "max_num_batched_tokens": 256}},
+     r"vllm\.max_num_batched_tokens: 256 is below max_num_seqs 512"),
+    ({"vllm": {"gpu_memory_utilization": 1.5}}, r"vllm\.gpu_memory_utilization: 1\.5 is greater than the maximum"),
+    ({"vllm": {"eagre": True}}, r"vllm: Additional properties are not allowed \('eagre' was unexpected\)"),
+])
+def test_bad_vllm_settings_are_refused_at_parse_time_by_key(committed, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(_vllm(committed, **settings))
+
+
+def test_a_vllm_block_on_an_hf_configuration_is_refused(committed):
+    config = copy.deepcopy(committed)
+    config["configs"]["smollm2-bf16"]["vllm"] = {"eager": True}
+    with pytest.raises(ConfigError, match=r"configs\.smollm2-bf16\.vllm: settings of the vllm engine, but .* 'hf'"):
+        validate_config(config)
+
+
+def test_vllm_settings_enter_the_analysis_hash_unless_they_cannot_change_a_number(committed):
+    base = analysis_hash(validate_config(_vllm(committed)))
+    assert analysis_hash(validate_config(_vllm(committed, vllm={"max_num_seqs": 64}))) != base
+    assert analysis_hash(validate_config(_vllm(committed, vllm={"chunked_prefill": False,
+                                                                 "max_num_batched_tokens": 4096}))) != base
+    assert analysis_hash(validate_config(_vllm(committed, vllm={"gpu_memory_utilization": 0.5}))) == base
+
+
+def test_serial_pivots_exists_only_where_the_serial_pass_runs(committed):
+    assert "serial_pivots" not in validate_config(committed)["replay"]
+    config = with_value(committed, "replay.passes", ["exact", "replica", "refeed", "serial"])
+    assert validate_config(config)["replay"]["serial_pivots"] == 50
+    config["replay"]["serial_pivots"] = 0
+    with pytest.raises(ConfigError, match=r"replay\.serial_pivots: 0 is less than the minimum of 1"):
+        validate_config(config)

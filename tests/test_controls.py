@@ -156,3 +156,53 @@ def test_the_transplant_summary_says_whom_a_continuation_follows_where_donor_and
     assert tokens["follows_donor_where_they_differ"]["n_same"] == 2
     assert tokens["follows_recipient_where_they_differ"]["n_same"] == 1
     assert "a_hat" not in out["transplant_decode"]["channels"]  # no credit frames given
+
+
+# --------------------------------------------------------------------- the paper's two missing controls
+
+def test_the_floors_table_is_planned_only_where_refeed_replica_or_serial_runs():
+    from replaynoise.control_report import control_outputs
+
+    assert "floors" not in control_outputs(["exact", "replica", "refeed", "replica_fresh"])["tables"]
+    assert control_outputs(["exact", "replica", "refeed", "serial"])["tables"] == ["floors"]
+    assert control_outputs(["exact", "replica", "refeed", "refeed_replica", "refeed_fp32"])["tables"] == [
+        "controls", "floors"]
+
+
+def test_the_floors_table_sets_each_floor_against_the_pass_it_replicates(tmp_path):
+    from replaynoise.control_report import floor_rows, write_floors_table
+
+    stat = lambda est, n: {"estimate": est, "ci_lo": est / 2, "ci_hi": est * 2, "n_disagree": n}
+    block = {"available": True, "n": 40, "n_problems": 9,
+             "disagreement": {"exact_vs_replica": stat(0.1, 4), "exact_vs_refeed": stat(0.3, 12)},
+             "other_passes": {"refeed_replica": {"n": 40, "n_problems": 9, "vs_exact": stat(0.25, 10),
+                                                 "vs_refeed": stat(0.05, 2)},
+                              "serial": {"n": 12, "n_problems": 5, "vs_exact": stat(0.0, 0),
+                                         "vs_refeed": stat(0.5, 6)}}}
+    results = {"c": {"conditionings": {"main": block, "none": {"available": False}}}}
+    rows = floor_rows(results)
+    got = {r["pass"]: (r["compared_with"], r["disagreement"], r["n"]) for r in rows.iter_rows(named=True)}
+    assert got == {"replica": ("exact", 0.1, 40), "refeed": ("exact", 0.3, 40),
+                   "refeed_replica": ("refeed", 0.05, 40), "serial": ("exact", 0.0, 12)}
+    write_floors_table(results, "h", tmp_path / "f.csv", tmp_path / "f.md")
+    md = (tmp_path / "f.md").read_text()
+    assert "| c | main | refeed_replica | refeed | 40 (9) | 5.0 [2.5, 10.0] | 2 |" in md
+    assert pl.read_csv(tmp_path / "f.csv", comment_prefix="#").height == 4
+
+
+def test_a_pivot_sample_depends_on_the_seed_alone():
+    pivots = pl.DataFrame({"pivot_id": [f"p{i:02d}" for i in range(30)], "t": list(range(30))})
+    a, b = replay.pivot_sample(pivots, 7, 11), replay.pivot_sample(pivots.reverse(), 7, 11)
+    assert a.height == 7 and sorted(a["pivot_id"]) == sorted(b["pivot_id"])
+    assert sorted(replay.pivot_sample(pivots, 7, 12)["pivot_id"]) != sorted(a["pivot_id"])
+    assert replay.pivot_sample(pivots, 50, 11).equals(pivots)
+
+
+def test_the_new_controls_run_on_every_engine_and_replicate_the_right_pass():
+    assert pass_spec("refeed_replica").source.plain and pass_spec("serial").source.plain  # vLLM can run them
+    assert pass_spec("refeed_replica").reference == "refeed" and pass_spec("serial").reference == "exact"
+    assert pass_spec("refeed_replica").source.label != pass_spec("refeed").source.label
+    assert schedule_of("refeed_replica") == "refeed_replica" and pass_spec("serial").batch_rows == 1
+    config = {"configs": {"v": {"model": "smollm2-135m", "engine": "vllm"}},
+              "replay": {"passes": ["exact", "replica", "refeed", "refeed_replica", "serial"]}}
+    assert validate_config(config)["replay"]["serial_pivots"] == 50

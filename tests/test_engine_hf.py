@@ -48,9 +48,11 @@ def campaign(model_dir: Path, out: Path, kernels: str, n_problems: int = 3, per_
     return engine, frame, pivots
 
 
-def run(engine, frame, pivots, pass_name: str, work: Path, batch_size: int = 8) -> pl.DataFrame:
+def run(engine, frame, pivots, pass_name: str, work: Path, batch_size: int = 8, serial_pivots: int = 2
+        ) -> pl.DataFrame:
     return replay.run_pass(engine, pivots, frame, pass_name=pass_name, config_name="t", seed=SEED, k=K,
-                           sampling=CONTINUE, batch_size=batch_size, work_dir=work / pass_name)
+                           sampling=CONTINUE, batch_size=batch_size, work_dir=work / pass_name,
+                           sample_sizes={"serial_pivots": serial_pivots})
 
 
 @pytest.fixture(scope="module")
@@ -200,14 +202,50 @@ def engine_for_same(engine):
 
 
 def test_invariant_mode_makes_all_passes_bitwise_identical(smollm2_dir, tmp_path):
+    """The three passes, the re-feed's replica and the serial pass (one request per batch, on a sample of the
+    pivots): under invariant kernels every channel of every pair is the same bit for bit."""
     engine, frame, pivots = campaign(smollm2_dir, tmp_path, "invariant", n_problems=2, per_rollout=2)
-    passes = {name: run(engine, frame, pivots, name, tmp_path, batch_size=3) for name in ("exact", "replica", "refeed")}
+    passes = {name: run(engine, frame, pivots, name, tmp_path, batch_size=3)
+              for name in ("exact", "replica", "refeed", "refeed_replica", "serial")}
+    assert set(passes["serial"]["batch_size"]) == {1}
     credit = {name: compute_credit(df, pivots, K, name) for name, df in passes.items()}
     agreement = channel_agreement(passes, credit)
     assert set(agreement["channel"]) >= {"token_ids", "answer", "correct", "next_topk", "a_hat"}
     assert_all_identical(agreement)
     assert passes["exact"]["next_digest"].equals(passes["refeed"]["next_digest"])
     assert all(max(d) == 0.0 for d in passes["refeed"]["kv_maxdiff"] if d is not None)
+
+
+def test_serial_pass_runs_one_request_at_a_time_on_a_seeded_sample(stock, tmp_path):
+    """serial: exact resume with batches of one request, on serial_pivots pivots chosen by the seed alone (the
+    same sample on a rerun and on a resume), every row verified; its channels are compared with exact's rows of
+    those pivots only."""
+    engine, frame, pivots, _ = stock
+    serial = run(engine, frame, pivots, "serial", tmp_path / "a", batch_size=8, serial_pivots=2)
+    assert set(serial["batch_size"]) == {1} and serial["verified"].all()
+    assert serial["pivot_id"].n_unique() == 2 and serial.height == 2 * 2 * K
+    again = run(engine, frame, pivots, "serial", tmp_path / "b", batch_size=8, serial_pivots=2)
+    assert again["pivot_id"].equals(serial["pivot_id"]) and again["token_ids"].equals(serial["token_ids"])
+    exact = run(engine, frame, pivots, "exact", tmp_path / "a")
+    credit = {name: compute_credit(df, pivots, K, name) for name, df in (("exact", exact), ("serial", serial))}
+    assert credit["serial"]["eligible"].sum() <= 2  # pivots outside the sample: no rows, not eligible
+    agreement = channel_agreement({"exact": exact, "serial": serial}, credit)
+    present = agreement.filter(pl.col("channel") == "rows_present")
+    assert present["share_identical"].to_list() == [1.0] and present["n"].to_list() == [2 * 2 * K]
+    with pytest.raises(ValueError, match="serial_pivots"):
+        replay.run_pass(engine, pivots, frame, pass_name="serial", config_name="t", seed=SEED, k=K,
+                        sampling=CONTINUE, batch_size=8, work_dir=tmp_path / "c")
+
+
+def test_refeed_replica_is_the_refeed_again_in_other_batches(stock, tmp_path):
+    """refeed_replica: the same requests and noise as refeed, packed by its own schedule seed, its prefixes
+    prefilled anew (the prefix_source column names the tag that keeps them apart in a shared cache)."""
+    engine, frame, pivots, _ = stock
+    refeed = run(engine, frame, pivots, "refeed", tmp_path, batch_size=3)
+    again = run(engine, frame, pivots, "refeed_replica", tmp_path, batch_size=3)
+    assert set(again["prefix_source"]) == {"refeed_ids#replica"} and set(refeed["prefix_source"]) == {"refeed_ids"}
+    assert again["seed"].equals(refeed["seed"])
+    assert set(again["schedule_seed"]) != set(refeed["schedule_seed"])
 
 
 def test_refeed_text_pass_retokenizes_the_prefix_text(stock):

@@ -26,18 +26,30 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from conftest import PACKAGES, REPO  # noqa: E402
 from replaynoise import replay  # noqa: E402
 from replaynoise.analysis import cache_summary  # noqa: E402
+from replaynoise.config import validate_config  # noqa: E402
 from replaynoise.engines import make_engine  # noqa: E402
 from replaynoise.engines.base import ContinuationRequest, SamplingSettings, VerificationError  # noqa: E402
-from replaynoise.engines.vllm import read_recipe, refeed_salt, rollout_salt  # noqa: E402
+from replaynoise.engines.vllm import chained_digests, read_recipe, refeed_salt, rollout_salt  # noqa: E402
 from replaynoise.pivots import PivotRules, select_pivots  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ON_GPU = torch.cuda.is_available()
 # vLLM's CPU attention needs blocks of a multiple of 32; its GPU backends take the paper's 16
-SETTINGS = {"model": "smollm2-135m", "dtype": "bfloat16", "engine": "vllm", "kernels": "stock",
-            "device": "cuda" if ON_GPU else "cpu", "temperature": 0.7, "top_p": 1.0, "max_new_tokens": 40,
-            "block_size": 16 if ON_GPU else 32, "kv_cache_gib": 1}
 SEED, CONFIG, N_PROBLEMS = 7, "vtest", 4
+
+
+def engine_settings(**changes) -> dict:
+    """A configuration's settings as the workflow resolves them (the vllm block filled: the paper's regime on a
+    GPU, CUDA graphs included), with a 1 GiB cache instead of 0.92 of the GPU: the module's engine and the
+    scripts' engines run side by side."""
+    settings = {"model": "smollm2-135m", "dtype": "bfloat16", "engine": "vllm", "kernels": "stock",
+                "device": "cuda" if ON_GPU else "cpu", "temperature": 0.7, "top_p": 1.0, "max_new_tokens": 40,
+                "block_size": 16 if ON_GPU else 32, "kv_cache_gib": 1, "vllm": {"gpu_memory_utilization": None},
+                **changes}
+    return validate_config({"configs": {CONFIG: settings}})["configs"][CONFIG]
+
+
+SETTINGS = engine_settings()
 CONTINUE = SamplingSettings(0.7, 1.0, 8)
 
 ROLLOUT_SCRIPT = textwrap.dedent("""
@@ -93,7 +105,7 @@ def pivots(stored) -> pl.DataFrame:
 
 def run(engine, pivots, rollouts, pass_name, work: Path) -> pl.DataFrame:
     return replay.run_pass(engine, pivots, rollouts, pass_name=pass_name, config_name=CONFIG, seed=SEED, k=2,
-                           sampling=CONTINUE, batch_size=8, work_dir=work)
+                           sampling=CONTINUE, batch_size=8, work_dir=work, sample_sizes={"serial_pivots": 2})
 
 
 def test_rollouts_store_a_recipe_not_kv(stored):
@@ -111,7 +123,7 @@ def test_regeneration_matches_the_stored_rollout_bitwise(engine, stored):
         assert prompt == r["prompt_ids"]
         assert gen.token_ids == r["response_ids"]
         assert gen.topk_ids == r["topk_ids"] and gen.topk_logprobs == r["topk_logprobs"]
-        assert engine.digests(gen) == r["logits_digests"]
+        assert chained_digests(gen.raw) == r["logits_digests"]
 
 
 def test_refeed_reads_no_decode_time_block(engine, stored):
@@ -165,6 +177,24 @@ def test_refeed_pass_records_its_own_hits(engine, stored, pivots, tmp_path):
     assert refeed["cached_tokens"].is_not_null().all()
     assert (refeed["cached_tokens"] % SETTINGS["block_size"] == 0).all()
     assert cache_summary({"refeed": refeed})["refeed"]["hit_rate"] is None
+
+
+def test_refeed_replica_prefills_its_prefixes_anew(engine, stored, pivots, tmp_path):
+    """The re-feed's replica runs after the re-feed in one engine and still reads none of its prefills: its
+    own salt. Its only hits are its own earlier prefills (the other branch and k of a pivot)."""
+    rollouts, _ = stored
+    run(engine, pivots, rollouts, "refeed", tmp_path / "refeed")
+    again = run(engine, pivots, rollouts, "refeed_replica", tmp_path / "refeed_replica")
+    assert again["verified"].all() and set(again["prefix_source"]) == {"refeed_ids#replica"}
+    first = again.sort("batch_id").group_by("pivot_id", maintain_order=True).first()
+    assert (first["cached_tokens"] < first["prefix_len"] // SETTINGS["block_size"] * SETTINGS["block_size"]).any()
+
+
+def test_serial_pass_resumes_one_request_at_a_time_from_the_decode_time_blocks(engine, stored, pivots, tmp_path):
+    rollouts, _ = stored
+    serial = run(engine, pivots, rollouts, "serial", tmp_path / "serial")
+    assert set(serial["batch_size"]) == {1} and serial["pivot_id"].n_unique() == min(2, pivots.height)
+    assert serial["verified"].all() and (serial["cached_tokens"] == serial["expected_cached_tokens"]).all()
 
 
 def test_a_tampered_rollout_makes_its_pivots_unverified(engine, stored, pivots, tmp_path):
@@ -222,6 +252,17 @@ def test_the_engine_runs_with_the_configured_block_size(engine):
     assert engine.llm.llm_engine.vllm_config.cache_config.block_size == SETTINGS["block_size"] == engine.block_size
 
 
+def test_the_engine_runs_with_the_configured_vllm_settings(engine):
+    """The resolved ``vllm`` block reaches vLLM's own configuration: what provenance records is what ran."""
+    config, wanted = engine.llm.llm_engine.vllm_config, SETTINGS["vllm"]
+    assert config.scheduler_config.max_num_seqs == wanted["max_num_seqs"]
+    assert config.scheduler_config.max_num_batched_tokens == wanted["max_num_batched_tokens"]
+    assert config.scheduler_config.enable_chunked_prefill == wanted["chunked_prefill"]
+    assert config.scheduler_config.async_scheduling == wanted["async_scheduling"]
+    assert config.model_config.max_model_len == wanted["max_model_len"]
+    assert config.model_config.enforce_eager == wanted["eager"]
+
+
 INVARIANCE_SCRIPT = textwrap.dedent("""
     import sys, os, json
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -255,7 +296,8 @@ def test_invariant_kernels_are_accepted_here_and_make_a_request_independent_of_i
     import json
 
     script = INVARIANCE_SCRIPT.format(repo=str(REPO))
-    settings = SETTINGS | {"kernels": "invariant"}
+    settings = engine_settings(kernels="invariant")
+    assert settings["vllm"]["eager"]  # what invariant mode needs, filled by the configuration
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(settings), str(smollm2_dir)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

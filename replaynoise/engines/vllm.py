@@ -169,6 +169,15 @@ def gpu_memory_share(kv_cache_gib: float, total_bytes: int, headroom_gib: float 
     return round(need / total_bytes, 4)
 
 
+def llm_kwargs(settings: dict) -> dict:
+    """The ``vllm.LLM`` arguments of a configuration's resolved ``vllm`` block (config.py fills it), the paper's
+    regime by default; the GPU memory arguments are added by :func:`build_llm`, which can read the device."""
+    v = settings["vllm"]
+    return {"enforce_eager": v["eager"], "max_num_seqs": v["max_num_seqs"],
+            "max_num_batched_tokens": v["max_num_batched_tokens"], "enable_chunked_prefill": v["chunked_prefill"],
+            "async_scheduling": v["async_scheduling"], "max_model_len": v["max_model_len"]}
+
+
 def build_llm(weights: Path, settings: dict, *, topk: int, threads: int):
     """Start a vLLM engine in this process (no engine-core subprocess: Snakemake scripts and pytest have no
     ``__main__`` guard) with prefix caching on and raw (untempered) log-probs."""
@@ -179,7 +188,7 @@ def build_llm(weights: Path, settings: dict, *, topk: int, threads: int):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if invariant:  # the invariant patches (RMSNorm, top-p) must reach the engine core: it has to run in this process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    kwargs: dict = invariant_llm_kwargs() if invariant else {}
+    kwargs: dict = {**llm_kwargs(settings), **(invariant_llm_kwargs() if invariant else {})}
     if device == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings["kv_cache_gib"])
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # shared machines: let the OS place threads
@@ -190,17 +199,21 @@ def build_llm(weights: Path, settings: dict, *, topk: int, threads: int):
         # vLLM's own top-p sampler, as run on the H200: FlashInfer's compiles its kernels at first use, which
         # needs a CUDA toolkit that a machine with only the driver and the wheels does not have
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        kwargs["kv_cache_memory_bytes"] = int(settings["kv_cache_gib"] * 2**30)
-        # the device is cuda:0 of this process once CUDA_VISIBLE_DEVICES names it
-        kwargs["gpu_memory_utilization"] = gpu_memory_share(settings["kv_cache_gib"], torch.cuda.mem_get_info()[1])
+        share = settings["vllm"]["gpu_memory_utilization"]
+        if share is None:  # several jobs on one GPU: a cache of kv_cache_gib, and a share that leaves room
+            kwargs["kv_cache_memory_bytes"] = int(settings["kv_cache_gib"] * 2**30)
+            # the device is cuda:0 of this process once CUDA_VISIBLE_DEVICES names it
+            share = gpu_memory_share(settings["kv_cache_gib"], torch.cuda.mem_get_info()[1])
+        kwargs["gpu_memory_utilization"] = share
         if invariant:
             patch_invariant_rms_norm()
             patch_invariant_top_k_top_p()
     from vllm import LLM
 
+    log.info("vLLM engine: %s", ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
     return LLM(model=str(weights), tokenizer=str(weights), dtype=settings["dtype"], seed=0,
                block_size=settings["block_size"], enable_prefix_caching=True, logprobs_mode="raw_logprobs",
-               max_logprobs=topk, enforce_eager=True, max_num_seqs=256, **kwargs)
+               max_logprobs=topk, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------- log-probs
@@ -333,10 +346,6 @@ class VLLMEngine:
         """Drop the registry of regenerated rollouts (after the cache was reset, say): the next use regenerates."""
         self._present.clear()
 
-    @staticmethod
-    def digests(gen: Generated) -> list[str]:
-        return chained_digests(gen.raw)
-
     def _matches_rollout(self, req: ContinuationRequest, prompt: list[int], gen: Generated) -> bool:
         """The regenerated rollout equals the stored one bitwise up to the pivot: tokens and log-probs."""
         t = len(req.prefix_ids) - len(prompt)
@@ -370,7 +379,7 @@ class VLLMEngine:
                 checks.append(same)
             elif source in ("refeed_ids", "refeed_text"):
                 ids = req.text_prefix_ids if source == "refeed_text" and req.text_prefix_ids else req.prefix_ids
-                prompts.append((list(ids) + [req.branch_token], refeed_salt(source)))
+                prompts.append((list(ids) + [req.branch_token], refeed_salt(spec.label)))
                 checks.append(True)
             else:
                 raise ValueError(f"unknown prefix source {source!r}")
@@ -399,9 +408,10 @@ def rollout_salt(problem_id: str, seed: int) -> str:
     return f"rollout:{problem_id}:{seed}"
 
 
-def refeed_salt(source: str) -> str:
-    """One salt per re-feed pass: never equal to a rollout salt, so no decode-time block can be read."""
-    return f"pass:{source}"
+def refeed_salt(label: str) -> str:
+    """One salt per re-feed source (its label: kind and tag): never equal to a rollout salt, so no decode-time
+    block can be read, and a re-feed's replica (another tag) never reads the re-feed's own prefills."""
+    return f"pass:{label}"
 
 
 def write_recipe(recipe: dict, path: Path) -> str:

@@ -11,6 +11,7 @@ from replaynoise.config import ConfigError, analysis_hash, check_config_file, va
 from replaynoise.datasets import check_n_problems  # noqa: E402
 from replaynoise.figures import FROM_COMPARISONS, FROM_CREDIT, plot_options  # noqa: E402
 from replaynoise.models import model_source_files, resolve_model_spec  # noqa: E402
+from replaynoise.passes import pass_spec  # noqa: E402
 from replaynoise.io import stable_hash  # noqa: E402
 from replaynoise.provenance import source_digest  # noqa: E402
 from replaynoise.shards import shard_names  # noqa: E402
@@ -139,6 +140,13 @@ def cost_file(ext):
 
 def settings(wildcards):
     return config["configs"][wildcards.config]
+
+
+def replay_params(pass_name):
+    """The replay block one pass's step reads: all but the list of passes, and a sample size only in the step of
+    the pass it sizes (replaynoise.passes.PassSpec.sample_key)."""
+    others = {pass_spec(p).sample_key for p in RUN_PASSES} - {pass_spec(pass_name).sample_key, None}
+    return {key: value for key, value in config["replay"].items() if key != "passes" and key not in others}
 
 
 #: The conda env of model rules, by engine: vLLM is an optional extra with its own pins (requirements-vllm.txt).

@@ -35,6 +35,7 @@ for _table in CONTROL_TABLES:
             md=table_file(_table, "md"),
         params:
             code=code_version("control_report"),
+            table=_table,
             configs=CONFIGS,
             analysis_hash=ANALYSIS_HASH,
         log:

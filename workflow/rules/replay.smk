@@ -18,8 +18,9 @@ for _pass in RUN_PASSES:
             pass_name=_pass,
             settings=settings,
             seed=config["seed"],
-            # the replay block but for its list of passes: adding a pass (a control) reruns no other pass
-            replay={key: value for key, value in config["replay"].items() if key != "passes"},
+            # the replay block but for its list of passes and other passes' sample sizes: adding a pass (a
+            # control), or resizing another's sample, reruns no other pass
+            replay=replay_params(_pass),
             topk=config["pivots"]["topk"],
             n_shards=len(SHARDS),
             work=work_dir("{config}", _pass, "{shard}"),

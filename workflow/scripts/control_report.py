@@ -13,4 +13,4 @@ results = {c: read_json(f) for c, f in zip(p.configs, snakemake.input.comparison
 if "figure" in p.keys():
     getattr(control_report, f"plot_{p.figure}")(results, out.png, out.pdf)
 else:
-    control_report.write_control_tables(results, p.analysis_hash, out.csv, out.md)
+    getattr(control_report, f"write_{p.table}_table")(results, p.analysis_hash, out.csv, out.md)

@@ -23,6 +23,6 @@ frame = replay.run_pass(
     sampling=SamplingSettings(temperature, top_p, r["max_new_tokens"]), batch_size=r["batch_size"],
     work_dir=Path(p.work), shard=(shard_index(snakemake.wildcards.shard), p.n_shards),
     kv_dirs=[Path(d) for d in read_json(snakemake.input.kv)["folders"]], probe_tokens=r["probe_tokens"],
-    scratch_key=stable_hash([p.code, s, p.seed, r, p.topk, p.n_shards, inputs]))
+    scratch_key=stable_hash([p.code, s, p.seed, r, p.topk, p.n_shards, inputs]), sample_sizes=r)
 write_parquet(frame, snakemake.output[0])
 remove_scratch(p.work)
