@@ -355,6 +355,45 @@ def pool_credit(credits: Mapping[str, Mapping[str, pl.DataFrame]], sep: str = ":
     return pooled
 
 
+#: What configurations must share to be pooled. A stock engine's floor and re-feed rate come from its kernels'
+#: batch dependence, which an invariant configuration does not have and another engine has in other measure;
+#: pooled, they make a number that describes none of the runs.
+POOL_KEYS = ("engine", "kernels")
+
+
+def pool_groups(settings: Mapping[str, Mapping[str, Any]]) -> dict[tuple[str, ...], list[str]]:
+    """Configuration names by their ``POOL_KEYS`` values, names sorted within a group, groups sorted."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name in sorted(settings):
+        groups.setdefault(tuple(str(settings[name][key]) for key in POOL_KEYS), []).append(name)
+    return dict(sorted(groups.items()))
+
+
+def pooled_comparison(credits: Mapping[str, Mapping[str, pl.DataFrame]], settings: Mapping[str, Mapping[str, Any]],
+                      analysis: Mapping[str, Any], seed: int, analysis_hash: str) -> dict:
+    """The pooled comparison of a run, for the workflow and a reference rebuild alike: configurations are pooled
+    only when they share engine and kernels; otherwise no pooled number is made, and every conditioning says
+    why, naming the groups, so the pooled rows of the tables read n/a with that note instead of mixing them.
+    A run of one group gives exactly the pooled analysis (the same file as before the rule existed)."""
+    configs = sorted(credits)
+    if sorted(settings) != configs:
+        raise ValueError(f"pooling: settings for {sorted(settings)}, credit tables for {configs}")
+    groups = pool_groups(settings)
+    if len(groups) == 1:
+        result = compare_passes(pool_credit(credits), **comparison_settings(analysis, seed),
+                                probe_reason=POOLED_PROBE_REASON)
+    else:
+        listed = "; ".join(f"{'/'.join(key)}: {', '.join(names)}" for key, names in groups.items())
+        reason = f"not pooled: the configurations differ in {' or '.join(POOL_KEYS)} ({listed})"
+        result = {"metric": analysis["metric"], "passes": sorted(set.intersection(*(set(c) for c in credits.values()))),
+                  "not_pooled": {"reason": reason, "keys": list(POOL_KEYS),
+                                 "groups": [dict(zip(POOL_KEYS, key), configs=names) for key, names in groups.items()]},
+                  "conditionings": {cond: {"available": False, "reason": reason,
+                                           "definition": CONDITIONING_DEFINITIONS[cond]} for cond in CONDITIONINGS}}
+    result.update(config="pooled", configs=configs, analysis_hash=analysis_hash)
+    return result
+
+
 def verification_summary(exact_credit: pl.DataFrame, refeed_pass: pl.DataFrame | None = None,
                          exact_pass: pl.DataFrame | None = None) -> dict:
     """How many pivots resumed from a verified decode-time state (the paper reports 100%), how many of them a

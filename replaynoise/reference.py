@@ -16,6 +16,10 @@ GPU to see that the committed numbers follow from the committed pivots. What nee
 channels, the probe, the verification and the cache counts; not committed, their sha256 is in the manifest) is
 taken as committed.
 
+`tables` rewrites a reference folder's headline tables from its committed comparisons after a change of the
+table code alone. `compare` also names the commit that reproduces the reference (its ``reproduce.json``, or its
+clean provenance) when the rerun ran other code.
+
 `figure` redraws the channel-agreement figure of several reference folders together (one run's workflow draws
 only its own configurations), from their committed analysis files alone, so a reader can rebuild it on CPU.
 """
@@ -32,7 +36,7 @@ from pathlib import Path
 import polars as pl
 
 from replaynoise import control_report, figures
-from replaynoise.analysis import POOLED_PROBE_REASON, compare_passes, comparison_settings, pool_credit
+from replaynoise.analysis import compare_passes, comparison_settings, pooled_comparison
 from replaynoise.tables import headline_rows
 from replaynoise.config import analysis_hash
 from replaynoise.io import read_json, read_parquet, sha256_file, write_json
@@ -129,6 +133,55 @@ def table_differences(reference_csv: Path, rerun_csv: Path, limit: int = 20) -> 
     return lines
 
 
+#: A reference folder's record of the commit whose code reproduces it, where its provenance.json cannot name it
+#: (a run from a working tree whose changes were committed later): {"commit": full hash or null, "note": how it
+#: was found, or why no commit is known}.
+REPRODUCE_FILE = "reproduce.json"
+
+
+def _git(folder: Path) -> dict:
+    path = Path(folder) / "provenance.json"
+    git = read_json(path).get("git") if path.is_file() else None
+    return git if isinstance(git, dict) else {}
+
+
+def reproducing_commit(reference: Path) -> tuple[str | None, str]:
+    """(the commit whose code reproduces ``reference`` or None, where that is said): its ``reproduce.json``,
+    else its provenance.json's commit when the run's tree was clean."""
+    reference = Path(reference)
+    if (reference / REPRODUCE_FILE).is_file():
+        record = read_json(reference / REPRODUCE_FILE)
+        commit = record.get("commit")
+        return (str(commit) if commit else None), f"{reference / REPRODUCE_FILE}: {record.get('note', '')}".rstrip(": ")
+    git = _git(reference)
+    if git.get("commit") and not git.get("dirty"):
+        return str(git["commit"]), f"{reference / 'provenance.json'}"
+    if git.get("commit"):
+        return None, (f"{reference / 'provenance.json'}: {git['commit']} with uncommitted changes; no "
+                      f"{REPRODUCE_FILE} names the commit that holds them")
+    return None, ""
+
+
+def code_version_note(reference: Path, results: Path) -> str | None:
+    """Why a rerun may differ before any number is read: its code is not the reference's. The engine's numerics
+    change with its code (cache buckets, attention kernels), so a rerun on another commit is not a check of the
+    reference; the note names the commit to check out. None where the rerun ran that commit, clean, or where
+    neither folder records any code version."""
+    commit, source = reproducing_commit(reference)
+    git = _git(results)
+    ran = git.get("commit")
+    if commit is not None and ran and not git.get("dirty") and (ran.startswith(commit) or commit.startswith(ran)):
+        return None
+    if commit is None and not source:
+        return None
+    rerun = f"{ran}{' with uncommitted changes' if git.get('dirty') else ''}" if ran else "an unrecorded version"
+    if commit is None:
+        return f"Code version: no commit is known to reproduce the reference ({source}); this rerun ran {rerun}."
+    return (f"Code version differs: the reference is reproduced by commit {commit} ({source}); this rerun ran "
+            f"{rerun}. Check out {commit} to reproduce the reference; with other code its numbers can differ "
+            "for that reason alone.")
+
+
 def compare(reference: Path, results: Path, out=None) -> bool:
     """Compare a rerun in ``results`` with the committed ``reference``; print a report; True if identical."""
     out = sys.stdout if out is None else out
@@ -140,6 +193,9 @@ def compare(reference: Path, results: Path, out=None) -> bool:
     total = len(outcome.identical) + len(outcome.differing) + len(outcome.missing)
     print(f"{len(outcome.identical)} of {total} reference files identical (sha256), {len(outcome.differing)} "
           f"differ, {len(outcome.missing)} missing from the rerun, {len(outcome.extra)} only in the rerun", file=out)
+    note = code_version_note(reference, results)
+    if note:
+        print(note, file=out)
     for label, paths in (("differs", outcome.differing), ("missing", outcome.missing), ("extra", outcome.extra)):
         for path in paths:
             print(f"  {label}: {path}", file=out)
@@ -189,8 +245,8 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
         comparisons[c] = result
         written.append(out / "analysis" / c / "comparison.json")
         write_json(result, written[-1])
-    pooled = compare_passes(pool_credit(credits), **stats, probe_reason=POOLED_PROBE_REASON)
-    pooled.update(config="pooled", configs=configs, analysis_hash=pooled_ref["analysis_hash"])
+    pooled = pooled_comparison(credits, {c: config["configs"][c] for c in configs}, config["analysis"],
+                               config["seed"], pooled_ref["analysis_hash"])
     written.append(out / "analysis" / "pooled" / "comparison.json")
     write_json(pooled, written[-1])
     tables = [out / "tables" / f"headline.{ext}" for ext in ("csv", "md", "tex")]
@@ -212,6 +268,29 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
         getattr(control_report, f"write_{name}_table")(comparisons, pooled_ref["analysis_hash"], csv_file, md)
         written += [csv_file, md]
     return written
+
+
+HEADLINE_FILES = tuple(f"tables/headline.{ext}" for ext in ("csv", "md", "tex"))
+
+
+def refresh_tables(reference: Path) -> list[Path]:
+    """Rewrite a reference folder's headline tables from its committed comparisons, after a change of the table
+    code alone, and their lines in its manifest (which vouches for the folder's files as they now stand).
+    The committed comparisons are used, not recomputed ones, so every cell the old tables had keeps its bytes
+    (a recomputation on another CPU moves the last bits of the OLS floats)."""
+    reference = Path(reference)
+    pooled = read_json(reference / "analysis" / "pooled" / "comparison.json")
+    results = {c: read_json(reference / "analysis" / c / "comparison.json") for c in pooled["configs"]}
+    tables = [reference / name for name in HEADLINE_FILES]
+    write_headline_tables(headline_rows({**results, "pooled": pooled}), pooled["analysis_hash"], *tables)
+    manifest_path = reference / "MANIFEST.sha256"
+    lines = manifest_path.read_text().splitlines()
+    digests = {name: sha256_file(reference / name) for name in HEADLINE_FILES}
+    listed = {line.split(maxsplit=1)[1].lstrip("*") for line in lines}
+    lines = [f"{digests[name]}  {name}" if (name := line.split(maxsplit=1)[1].lstrip("*")) in digests else line
+             for line in lines] + [f"{d}  {name}" for name, d in digests.items() if name not in listed]
+    manifest_path.write_text("\n".join(lines) + "\n")
+    return tables
 
 
 def _values(path: Path) -> list:
@@ -293,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                            "credit tables into OUT and check them against its manifest (exit 1 on a difference)")
     again.add_argument("reference", type=Path)
     again.add_argument("out", type=Path)
+    retable = sub.add_parser("tables", help="rewrite a reference folder's headline tables from its committed "
+                             "comparisons (after a change of the table code) and their manifest lines")
+    retable.add_argument("reference", type=Path)
     fig = sub.add_parser("figure", help="draw the channel-agreement figure of several reference folders into OUT")
     fig.add_argument("out", type=Path)
     fig.add_argument("folders", type=Path, nargs="+")
@@ -304,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "rebuild":
             return 0 if check_rebuild(args.reference, args.out, rebuild(args.reference, args.out)) else 1
+        if args.command == "tables":
+            written = refresh_tables(args.reference)
+            print(f"{len(written)} tables rewritten in {args.reference}, with their manifest lines")
+            return 0
         if args.command == "figure":
             args.out.mkdir(parents=True, exist_ok=True)
             data = channel_data(args.folders)

@@ -128,7 +128,8 @@ def _display_columns() -> list[tuple[str, Callable[[dict], str]]]:
         ("problems worse re-feed/floor/equal", _sign_split),
         ("OLS t", lambda r: f2(r["t"])),
         ("McNemar z", lambda r: f2(r["mcnemar_z"])),
-        ("TI excess pp", lambda r: _signed(1)(r["ti_excess_pp"])),
+        ("TI excess pp", lambda r: _with_ci(r, "ti_excess_pp", _signed(1))),
+        ("TI per-problem t", lambda r: f2(r["ti_t_per_problem"])),
         ("Jaccard re-feed", lambda r: _with_ci(r, "jaccard_refeed", f2)),
         ("Jaccard ceiling", lambda r: _with_ci(r, "jaccard_replica_ceiling", f2)),
         ("paper Jaccard / ceiling", lambda r: f"{r['paper_jaccard_refeed']} / {r['paper_jaccard_replica_ceiling']}"),
@@ -160,7 +161,8 @@ def _footer_lines() -> list[str]:
         "The paper's ranges are under its own definitions (sign metric; main or treatment-independent "
         "conditioning) and are set only against rows of those definitions.",
         "Rates: re-feed % = D(exact, refeed), floor % = D(exact, replica), polarity-reversal share of n in "
-        "parentheses. TI excess: the configuration's treatment-independent excess.",
+        "parentheses. TI excess: the configuration's treatment-independent excess, with its interval and "
+        "per-problem t (the same on each of its rows).",
         "Intervals: problem-cluster bootstrap (percentile). per-problem t (the paper's): one-sample t over "
         "per-problem rate differences, problems weighted equally; OLS t (ours): OLS on a constant, "
         "problem-clustered SE; McNemar z: unclustered, (b - c)/sqrt(b + c).",
@@ -311,7 +313,8 @@ HEADLINE_SCHEMA = {
     "problems_refeed_worse": pl.Int64, "problems_floor_worse": pl.Int64, "problems_equal": pl.Int64,
     "t": pl.Float64, "p": pl.Float64, "n_clusters": pl.Int64,
     "mcnemar_z": pl.Float64, "mcnemar_p": pl.Float64,
-    "ti_excess_pp": pl.Float64,
+    "ti_excess_pp": pl.Float64, "ti_excess_pp_ci_lo": pl.Float64, "ti_excess_pp_ci_hi": pl.Float64,
+    "ti_t_per_problem": pl.Float64,
     "jaccard_refeed": pl.Float64, "jaccard_refeed_ci_lo": pl.Float64, "jaccard_refeed_ci_hi": pl.Float64,
     "jaccard_replica_ceiling": pl.Float64, "jaccard_replica_ceiling_ci_lo": pl.Float64,
     "jaccard_replica_ceiling_ci_hi": pl.Float64,
@@ -329,11 +332,20 @@ def _get(obj: Any, *path: str) -> Any:
     return obj
 
 
-def _headline_row(config: str, cond: str, block: dict, metric: str, ti_excess: float | None) -> dict:
-    """One table row: ``t`` is our OLS cluster-robust t, ``t_per_problem`` the paper's; ``ti_excess_pp`` is the
-    configuration's treatment-independent excess (the same on each of its rows, as Table 1 sets it beside)."""
+def _ti_columns(result: dict, metric: str) -> dict[str, Any]:
+    """The treatment-independent excess with its interval and per-problem t: a point alone reads as resolved
+    where its interval spans zero (several of our rows), so the three travel together."""
+    stats = _get(result["conditionings"].get("treatment_independent"), "by_metric", metric)
+    excess, ppt = _get(stats, "excess_pp") or {}, _get(stats, "per_problem_t") or {}
+    return {"ti_excess_pp": excess.get("estimate"), "ti_excess_pp_ci_lo": excess.get("ci_lo"),
+            "ti_excess_pp_ci_hi": excess.get("ci_hi"), "ti_t_per_problem": ppt.get("t")}
+
+
+def _headline_row(config: str, cond: str, block: dict, metric: str, ti: Mapping[str, Any]) -> dict:
+    """One table row: ``t`` is our OLS cluster-robust t, ``t_per_problem`` the paper's; the ``ti_*`` columns are
+    the configuration's treatment-independent excess (the same on each of its rows, as Table 1 sets it beside)."""
     row: dict[str, Any] = {c: None for c in HEADLINE_SCHEMA}
-    row.update(config=config, conditioning=cond, metric=metric, ti_excess_pp=ti_excess)
+    row.update(config=config, conditioning=cond, metric=metric, **ti)
     if not block.get("available", False):
         row["note"] = block.get("reason")
         return row
@@ -374,6 +386,6 @@ def headline_rows(results: Mapping[str, dict], metric: str | None = None) -> pl.
     rows = []
     for cfg, res in results.items():
         m = check_metric(metric or res.get("metric", "sign"))
-        ti = _get(res["conditionings"].get("treatment_independent"), "by_metric", m, "excess_pp", "estimate")
+        ti = _ti_columns(res, m)
         rows += [_headline_row(cfg, cond, res["conditionings"][cond], m, ti) for cond in CONDITIONINGS]
     return pl.DataFrame(rows, schema=HEADLINE_SCHEMA)

@@ -9,7 +9,9 @@ import polars as pl
 import pytest
 from scipy import stats
 
-from replaynoise.analysis import CONDITIONINGS, compare_passes, pool_credit, too_few_note, wide_frame
+from replaynoise.analysis import (
+    CONDITIONINGS, POOLED_PROBE_REASON, compare_passes, pool_credit, pooled_comparison, too_few_note, wide_frame,
+)
 from replaynoise.channels import assert_all_identical, channel_agreement, lists_bitwise_equal
 from replaynoise.stats import Clusters, classify_changes, cluster_ols_mean, jaccard, lattice_thetas, selection_at
 from replaynoise.tables import headline_rows
@@ -137,6 +139,12 @@ def test_paper_conditionings_main_and_treatment_independent() -> None:
     assert ti["excess_pp"]["estimate"] == pytest.approx(40.0)
     row = headline_rows({"c": res}).filter(pl.col("conditioning") == "main").row(0, named=True)
     assert row["metric"] == "sign" and row["ti_excess_pp"] == pytest.approx(40.0)
+    # the TI excess travels with its interval and per-problem t, on every row of the configuration
+    ti_sign = ti["by_metric"]["sign"]
+    assert (row["ti_excess_pp_ci_lo"], row["ti_excess_pp_ci_hi"]) == (ti_sign["excess_pp"]["ci_lo"],
+                                                                      ti_sign["excess_pp"]["ci_hi"])
+    assert row["ti_excess_pp_ci_lo"] < 40.0 < row["ti_excess_pp_ci_hi"]
+    assert row["ti_t_per_problem"] == ti_sign["per_problem_t"]["t"] is not None
     assert row["refeed_polarity_share"] == pytest.approx(1 / 7) and row["floor_polarity_share"] == 0.0
 
 
@@ -419,6 +427,33 @@ def test_pooled_clusters_are_config_qualified_problems() -> None:
     assert row["share_zero_crossing"] == 0.75 and row["share_reversal"] == 0.25  # sign metric: p2, p6, p8 / p4
     assert row["t_per_problem"] == main["per_problem_t"]["t"] and row["mcnemar_z"] == main["mcnemar"]["z"]
     assert row["t"] == main["clustered_t"]["t"] and row["mean_diff"] == main["mean_diff"]["cluster"]["coef"]
+
+
+ANALYSIS = {"theta": 0.5, "n_boot": 200, "min_eligible": 1, "ci": 0.95, "metric": "sign", "margin_split": 0.3}
+
+
+def test_pooling_keeps_one_engine_and_kernels_and_pools_none_across_them() -> None:
+    per_config = {"cfgA": case_credit(), "cfgB": case_credit(passes=("exact", "replica", "refeed"))}
+    alike = {"cfgA": {"engine": "hf", "kernels": "stock", "dtype": "bfloat16"},
+             "cfgB": {"engine": "hf", "kernels": "stock", "dtype": "float16"}}
+    pooled = pooled_comparison(per_config, alike, ANALYSIS, 7, "h")
+    expected = run(pool_credit(per_config), n_boot=200, seed=7, probe_reason=POOLED_PROBE_REASON)
+    assert pooled == {**expected, "config": "pooled", "configs": ["cfgA", "cfgB"], "analysis_hash": "h"}
+    assert pooled["conditionings"]["main"]["n"] == 14
+    for key, other in (("kernels", "invariant"), ("engine", "vllm")):
+        mixed = {**alike, "cfgB": {**alike["cfgB"], key: other}}
+        result = pooled_comparison(per_config, mixed, ANALYSIS, 7, "h")
+        assert result["configs"] == ["cfgA", "cfgB"] and result["analysis_hash"] == "h"
+        groups = result["not_pooled"]["groups"]
+        assert sorted((g["configs"], g[key]) for g in groups) == [(["cfgA"], alike["cfgA"][key]), (["cfgB"], other)]
+        for cond in CONDITIONINGS:
+            block = result["conditionings"][cond]
+            assert block["available"] is False and "not pooled" in block["reason"] and "cfgB" in block["reason"]
+        rows = headline_rows({"cfgA": run(per_config["cfgA"]), "pooled": result}).filter(pl.col("config") == "pooled")
+        assert rows["n"].null_count() == rows.height and rows["excess_pp"].null_count() == rows.height
+        assert all("not pooled" in note for note in rows["note"].to_list())
+    with pytest.raises(ValueError, match="settings for"):
+        pooled_comparison(per_config, {"cfgA": alike["cfgA"]}, ANALYSIS, 7, "h")
 
 
 # --------------------------------------------------------------------------------------- channel agreement

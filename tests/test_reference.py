@@ -122,3 +122,55 @@ def test_rebuild_refuses_a_configuration_that_is_not_the_analysed_one(tmp_path, 
     (reference / "provenance.json").write_text(json.dumps(provenance))
     assert main(["rebuild", str(reference), str(tmp_path / "rebuilt")]) == 2
     assert "analysis hash" in capsys.readouterr().err
+
+
+def with_git(root, commit, dirty=False):
+    (root / "provenance.json").write_text(json.dumps({"git": {"commit": commit, "dirty": dirty}}))
+    return root
+
+
+def test_compare_names_the_commit_that_reproduces_the_reference_when_the_rerun_ran_other_code(tmp_path, capsys):
+    snapshot(fake_results(tmp_path / "results"), tmp_path / "ref")
+    with_git(tmp_path / "ref", "a" * 40, dirty=True)
+    (tmp_path / "ref" / "reproduce.json").write_text(json.dumps({"commit": "b" * 40, "note": "committed later"}))
+    rerun = fake_results(tmp_path / "rerun")
+    with_git(rerun, "c" * 40)
+    assert compare(tmp_path / "ref", rerun)  # the files agree; the code note is said all the same
+    out = capsys.readouterr().out
+    assert f"reproduced by commit {'b' * 40}" in out and f"this rerun ran {'c' * 40}" in out
+    assert f"Check out {'b' * 40}" in out and "committed later" in out
+    with_git(rerun, "b" * 40, dirty=True)
+    compare(tmp_path / "ref", rerun)
+    assert "with uncommitted changes" in capsys.readouterr().out
+    with_git(rerun, "b" * 40)  # the named commit, clean: nothing to say
+    compare(tmp_path / "ref", rerun)
+    assert "Code version" not in capsys.readouterr().out
+    (tmp_path / "ref" / "reproduce.json").unlink()  # a dirty run and no record: no commit is known
+    compare(tmp_path / "ref", rerun)
+    assert "no commit is known to reproduce the reference" in capsys.readouterr().out
+    with_git(tmp_path / "ref", "b" * 40)  # a clean run names its own commit
+    compare(tmp_path / "ref", with_git(rerun, "d" * 40))
+    assert f"reproduced by commit {'b' * 40}" in capsys.readouterr().out
+
+
+def test_every_hf_reference_run_from_a_changed_tree_says_which_commit_reproduces_it():
+    folders = [GPU.parent / "cpu"] + [p.parent for p in sorted(GPU.glob("*/provenance.json"))]
+    assert len(folders) == 12
+    for folder in folders:
+        if json.loads((folder / "provenance.json").read_text())["git"]["dirty"]:
+            record = json.loads((folder / "reproduce.json").read_text())
+            assert record["note"] and (record["commit"] is None or len(record["commit"]) == 40), folder
+
+
+def test_tables_rewrites_a_folders_tables_from_its_comparisons_and_their_manifest_lines(tmp_path, capsys):
+    reference = tmp_path / "gemma"
+    shutil.copytree(GPU / "gemma", reference)
+    csv = reference / "tables" / "headline.csv"
+    csv.write_text("# stale\nconfig\nx\n")
+    assert main(["tables", str(reference)]) == 0
+    assert "3 tables rewritten" in capsys.readouterr().out
+    manifest = read_manifest(reference / "MANIFEST.sha256")
+    for name in ("headline.csv", "headline.md", "headline.tex"):
+        assert manifest[f"tables/{name}"] == hashlib.sha256((reference / "tables" / name).read_bytes()).hexdigest()
+    assert len(manifest) == len(read_manifest(GPU / "gemma" / "MANIFEST.sha256"))
+    assert csv.read_bytes() == (GPU / "gemma" / "tables" / "headline.csv").read_bytes()  # the committed ones

@@ -37,6 +37,7 @@ rule compare_pooled:
         analysis=config["analysis"],
         seed=config["seed"],
         configs=CONFIGS,
+        settings={c: {key: config["configs"][c][key] for key in POOL_KEYS} for c in CONFIGS},
         passes=RUN_PASSES,
         analysis_hash=ANALYSIS_HASH,
     log:

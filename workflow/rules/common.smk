@@ -6,6 +6,7 @@ from snakemake.exceptions import WorkflowError
 
 sys.path.insert(0, workflow.basedir)
 
+from replaynoise.analysis import POOL_KEYS  # noqa: E402
 from replaynoise.control_report import control_outputs  # noqa: E402
 from replaynoise.config import ConfigError, analysis_hash, check_config_file, validate_config  # noqa: E402
 from replaynoise.datasets import check_n_problems  # noqa: E402
@@ -118,7 +119,8 @@ def work_dir(config_name, step, shard):
 
 
 def comparison_file(config_name):
-    """One configuration's statistics, or the pooled ones (``config_name`` "pooled")."""
+    """One configuration's statistics, or the pooled ones (``config_name`` "pooled"; a run whose configurations
+    differ in engine or kernels writes there why it pooled none, replaynoise.analysis.pooled_comparison)."""
     return f"results/analysis/{config_name}/comparison.json"
 
 
