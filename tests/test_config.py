@@ -89,7 +89,8 @@ GPU_REFERENCES = sorted(f"{folder}/{p.parent.name}" for folder in GPU_FOLDERS
 
 def test_every_gpu_reference_has_its_campaign_file():
     assert sum(ref.startswith("gpu/") for ref in GPU_REFERENCES) >= 7
-    assert {"gpu-vllm/smollm2", "gpu-vllm/qwen"} <= set(GPU_REFERENCES)
+    assert {"gpu-vllm/paper-qwen", "gpu-vllm/paper-qwen-k8", "gpu-vllm/paper-qwen-engines",
+            "gpu-vllm/paper-smollm2"} <= set(GPU_REFERENCES)
     assert all((REPO / "config" / "campaigns" / f"{ref}.yaml").is_file() for ref in GPU_REFERENCES)
 
 

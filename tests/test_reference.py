@@ -174,3 +174,21 @@ def test_tables_rewrites_a_folders_tables_from_its_comparisons_and_their_manifes
         assert manifest[f"tables/{name}"] == hashlib.sha256((reference / "tables" / name).read_bytes()).hexdigest()
     assert len(manifest) == len(read_manifest(GPU / "gemma" / "MANIFEST.sha256"))
     assert csv.read_bytes() == (GPU / "gemma" / "tables" / "headline.csv").read_bytes()  # the committed ones
+
+
+def test_float_drift_counts_a_zero_computed_as_1e_17_as_drift_but_not_a_changed_small_value(tmp_path):
+    from replaynoise.reference import float_drift
+
+    (tmp_path / "a.json").write_text(json.dumps({"coef": 0.0, "t": 2.5, "p": 1e-6}))
+    (tmp_path / "b.json").write_text(json.dumps({"coef": 9.4e-17, "t": 2.5000000000000004, "p": 1e-6}))
+    (tmp_path / "c.json").write_text(json.dumps({"coef": 0.0, "t": 2.5, "p": 2e-6}))
+    assert float_drift(tmp_path / "a.json", tmp_path / "b.json") < 1e-9
+    assert float_drift(tmp_path / "a.json", tmp_path / "c.json") > 1e-9
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent.name for p in (GPU.parent / "gpu-vllm").glob("*/provenance.json")))
+def test_every_vllm_reference_rebuilds_from_its_credit_tables(folder, tmp_path, capsys):
+    """The paper-regime vLLM references: statistics, pooling, tables and figures recomputed on this CPU from the
+    committed credit tables agree with the committed files (bitwise, or within last-bit float drift)."""
+    assert main(["rebuild", str(GPU.parent / "gpu-vllm" / folder), str(tmp_path / "rebuilt")]) == 0, \
+        capsys.readouterr().out
