@@ -192,3 +192,21 @@ def test_every_vllm_reference_rebuilds_from_its_credit_tables(folder, tmp_path, 
     committed credit tables agree with the committed files (bitwise, or within last-bit float drift)."""
     assert main(["rebuild", str(GPU.parent / "gpu-vllm" / folder), str(tmp_path / "rebuilt")]) == 0, \
         capsys.readouterr().out
+
+
+POOLED = sorted((GPU.parent).glob("**/analysis/pooled/comparison.json"))
+
+
+@pytest.mark.parametrize("pooled", POOLED, ids=lambda p: p.parents[2].relative_to(GPU.parent).as_posix())
+def test_no_committed_pooled_row_mixes_engines_or_kernels(pooled):
+    """Every committed pooled analysis either pools configurations of one engine and one kernel mode, or says
+    it pooled none and gives no numbers (the audit of issue 38 found HF, stock and invariant pooled together)."""
+    folder = pooled.parents[2]
+    result = json.loads(pooled.read_text())
+    settings = json.loads((folder / "provenance.json").read_text())["config"]["configs"]
+    modes = {(settings[c]["engine"], settings[c]["kernels"]) for c in result["configs"]}
+    if len(modes) > 1:
+        assert "not_pooled" in result
+        assert all(not block["available"] for block in result["conditionings"].values())
+        rows = [r.split(",") for r in (folder / "tables" / "headline.csv").read_text().splitlines()]
+        assert all(r[3] == "n/a" for r in rows if r[0] == "pooled")  # n: no pooled row has a number
