@@ -151,3 +151,21 @@ def schedule_of(name: str) -> str:
 def plain_passes(names: list[str]) -> list[str]:
     """The passes any engine can run (no transplant, no precision change)."""
     return [n for n in names if pass_spec(n).source.plain]
+
+
+#: The order a pass list is kept in, whatever order it was written in: the measurement's passes first (as in the
+#: default), then the others in the order PASSES defines them, per-layer transplants after transplant_refeed (all
+#: lo<L>, then all hi<L>, each by L). Every committed campaign lists its passes in this order, so normalising
+#: leaves their analysis hashes as they were, while a reordered list no longer reruns the analysis.
+_FIXED_RANK = {name: i for i, name in enumerate(PASSES)}
+
+
+def canonical_order(names: list[str]) -> list[str]:
+    """``names`` in the canonical pass order (a pass list is a set; its order must not change any result)."""
+    def rank(name: str) -> tuple:
+        match = LAYER_PASS.fullmatch(name)
+        if match is None:
+            return (_FIXED_RANK.get(name, len(PASSES)), 0, 0, name)
+        return (_FIXED_RANK["transplant_refeed"], 1 if match.group(1) == "lo" else 2, int(match.group(2)), name)
+    return sorted(names, key=rank)
+
