@@ -23,17 +23,27 @@ include: "workflow/rules/manifest.smk"
 include: "workflow/rules/cost.smk"
 
 
-# Lost shards are targets too: a shard deleted between runs (a --forcerun interrupted after Snakemake deleted
-# the step's output) is rebuilt by the next plain run, where Snakemake would keep a missing intermediate whose
-# gathered table still exists.
+# Every output of every rule in the plan is a target, intermediates included: a file deleted between runs (a
+# --forcerun interrupted after Snakemake deleted the step's output) is rebuilt by the next plain run, where
+# Snakemake would keep a missing intermediate whose downstream files still exist.
 rule all:
     default_target: True
     localrule: True
     input:
-        lost_shards,
+        manifest_inputs,
         MANIFEST,
         PROVENANCE,
         cost_file("md"),
+        cost_file("csv"),
+
+
+# What this machine lacks for a configuration (vLLM, a GPU) stops the run before its first job; onstart runs
+# only when jobs are about to run (not in a dry run) and is skipped for jobs a cluster's nodes run.
+onstart:
+    if workflow.local_exec:
+        _missing = platform_problems(config, conda=DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method)
+        if _missing:
+            raise WorkflowError("this machine cannot run the configuration:\n  " + "\n  ".join(_missing))
 
 
 # The run's answer on the terminal, so a first run ends with what it measured and where the files are.

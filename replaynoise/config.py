@@ -6,6 +6,9 @@ Validation happens at parse time, before any job runs, so a bad value fails by n
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +16,8 @@ import jsonschema
 import yaml
 
 from replaynoise.io import stable_hash
-from replaynoise.models import check_local_model_dir, context_length, resolve_model_spec
-from replaynoise.passes import pass_spec
+from replaynoise.models import check_local_model_dir, context_length, model_source_files, resolve_model_spec
+from replaynoise.passes import canonical_order, pass_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
@@ -23,6 +26,11 @@ DEFAULT_CONFIG_PATH = REPO_ROOT / "config" / "config.yaml"
 PROTOCOL_SECTIONS = ("seed", "dataset", "prompt", "configs", "rollouts", "pivots", "replay", "analysis")
 #: Configuration names the workflow uses for its own outputs (results/analysis/pooled, the pooled table rows).
 RESERVED_CONFIG_NAMES = ("pooled",)
+#: A configuration name, which names folders and files under results/. Matched whole (re.fullmatch): the schema's
+#: pattern ends in ``$``, which also matches before a final newline.
+CONFIG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+#: Characters no name that becomes a file name may hold: control characters (a newline splits a manifest line).
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class ConfigError(ValueError):
@@ -82,6 +90,7 @@ def validate_config(config: dict) -> dict:
     _check_integers(schema, config, "")
     _fill_invariant_shape(config)
     _check_semantics(config)
+    config["replay"]["passes"] = canonical_order(config["replay"]["passes"])
     return _sorted_keys(config)
 
 
@@ -210,15 +219,32 @@ def _leaf_errors(errors: list[jsonschema.ValidationError]) -> list[jsonschema.Va
     return leaves
 
 
+def _check_path_for_snakemake(key: str, path: str | Path) -> None:
+    """Snakemake reads braces in a file name as wildcards, in the inputs and params of a rule alike, and stops with
+    a WildcardError that names neither the key nor the file; a doubled brace is expanded twice in an input."""
+    if "{" in str(path) or "}" in str(path):
+        raise ConfigError(f"config key {key}: {str(path)!r} has a brace ({{ or }}), which Snakemake reads as a "
+                          "wildcard; rename the file or folder")
+    if CONTROL_CHARACTERS.search(str(path)):
+        raise ConfigError(f"config key {key}: {str(path)!r} has a control character (a newline?) in its name; "
+                          "rename the file or folder")
+
+
 def _check_semantics(config: dict) -> None:
-    """Checks JSON Schema cannot express: files that must exist, models that must resolve."""
+    """Checks JSON Schema cannot express: files that must exist, models that must resolve, names that become
+    paths, settings that can give no pivot."""
     dataset = config["dataset"]
     if dataset["source"] == "file":
         if not dataset["path"]:
             raise ConfigError("config key dataset.path: required when dataset.source is 'file'")
         if not Path(dataset["path"]).is_file():
             raise ConfigError(f"config key dataset.path: file not found: {dataset['path']}")
+        _check_path_for_snakemake("dataset.path", dataset["path"])
+    _check_pivots_possible(config)
     for name, settings in config["configs"].items():
+        if not CONFIG_NAME.fullmatch(name):
+            raise ConfigError(f"config key configs.{name!r}: a configuration name names folders under results/, "
+                              f"so it must be letters, digits, '_', '.' or '-' (and start with a letter or digit)")
         if name in RESERVED_CONFIG_NAMES:
             raise ConfigError(f"config key configs.{name}: the name {name!r} is reserved (the workflow writes its "
                               f"own results/analysis/{name}); choose another name")
@@ -226,6 +252,8 @@ def _check_semantics(config: dict) -> None:
             kind, source = resolve_model_spec(settings["model"])
             if kind == "local":
                 check_local_model_dir(source)
+                for file in model_source_files(settings["model"]):
+                    _check_path_for_snakemake(f"configs.{name}.model", file)
             context = context_length(settings["model"])
         except ValueError as exc:
             raise ConfigError(f"config key configs.{name}.model: {exc}") from None
@@ -238,6 +266,34 @@ def _check_semantics(config: dict) -> None:
         _check_engine(name, settings, config["replay"]["passes"])
         _check_vllm_settings(name, settings, budget)
     _check_passes(config["replay"]["passes"])
+
+
+def _check_pivots_possible(config: dict) -> None:
+    """Settings under which no pivot can ever be chosen: the run would spend every model step and end with an
+    empty table and advice to raise n_problems."""
+    screen, per_problem = config["rollouts"]["screen"], config["rollouts"]["per_problem"]
+    if screen["rule"] == "mixed" and per_problem < 2:
+        raise ConfigError(f"config keys rollouts.screen.rule and rollouts.per_problem: the 'mixed' screen keeps a "
+                          f"problem whose rollouts are neither all right nor all wrong, which needs at least 2 "
+                          f"rollouts per problem (per_problem is {per_problem})")
+    pivots = config["pivots"]
+    if not pivots["align_to_block"]:
+        return
+    for name, settings in config["configs"].items():
+        beyond = [o for o in pivots["block_offsets"] if o >= settings["block_size"]]
+        if beyond:
+            raise ConfigError(f"config keys pivots.block_offsets and configs.{name}.block_size: offsets {beyond} are "
+                              f"not below the block size {settings['block_size']}, so (prompt + t) mod "
+                              f"{settings['block_size']} never equals them and they can give no pivot")
+
+
+def prompt_room(config: dict, name: str) -> int | None:
+    """How many prompt tokens configuration ``name`` has room for: its model's context (or the invariant
+    decoder's cache) less the rollout and the longest continuation; None where the model does not say."""
+    settings = config["configs"][name]
+    limits = [n for n in (context_length(settings["model"]), settings.get("invariant_context")) if n is not None]
+    continuation = max(config["replay"]["max_new_tokens"], config["replay"]["probe_tokens"])
+    return min(limits) - settings["max_new_tokens"] - continuation if limits else None
 
 
 def _check_passes(passes: list[str]) -> None:
@@ -299,8 +355,47 @@ def _plain(name: str) -> bool:
         return True  # an unknown name is refused by _check_passes, by name
 
 
+def platform_problems(config: dict, *, conda: bool = False, dev: Path = Path("/dev")) -> list[str]:
+    """What this machine lacks for the configurations (vLLM for engine vllm, unless conda builds its env; a GPU
+    for device cuda), each naming its key: checked before the first job, which would fail on it after seconds
+    to minutes with a raw traceback. Only for jobs that run here, not on a cluster's nodes."""
+    problems = []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = len(list(dev.glob("nvidia[0-9]*")))
+    if visible is not None:
+        gpus = min(gpus, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
+    other_gpu = (dev / "dxg").exists() or (dev / "kfd").exists()  # WSL2's and ROCm's devices
+    for name, settings in sorted(config["configs"].items()):
+        if settings["engine"] == "vllm" and not conda and importlib.util.find_spec("vllm") is None:
+            problems.append(f"config key configs.{name}.engine: 'vllm', but vLLM is not installed for this "
+                            "interpreter; install it (bash install.sh --vllm) and run its snakemake "
+                            "(.venv-vllm/bin/snakemake), or run with --use-conda")
+        device = settings["device"]
+        if device.startswith("cuda") and not other_gpu:
+            index = int(device.split(":")[1]) if ":" in device else 0
+            if index >= gpus:
+                problems.append(f"config key configs.{name}.device: {device!r}, but this machine shows "
+                                f"{gpus} NVIDIA GPU(s) (/dev/nvidia*, CUDA_VISIBLE_DEVICES={visible}); use "
+                                "device: cpu, or run where the GPU is")
+    return problems
+
+
+def overlay_adds_default_configs(overlays: list[dict]) -> list[str]:
+    """The default configuration names an overlay run also runs: Snakemake merges an overlay's ``configs`` into
+    those of config/config.yaml unless --replace-workflow-config is given."""
+    named = {name for overlay in overlays for name in (overlay or {}).get("configs", {}) or {}}
+    if not named:
+        return []
+    defaults = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text()).get("configs", {})
+    return sorted(set(defaults) - named)
+
+
 def protocol_settings(config: dict) -> dict:
-    return {key: config[key] for key in PROTOCOL_SECTIONS if key in config}
+    """The protocol sections, the pass list in its canonical order (its written order changes no result)."""
+    settings = {key: config[key] for key in PROTOCOL_SECTIONS if key in config}
+    if "passes" in settings.get("replay", {}):
+        settings["replay"] = {**settings["replay"], "passes": canonical_order(settings["replay"]["passes"])}
+    return settings
 
 
 def analysis_hash(config: dict) -> str:

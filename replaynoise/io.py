@@ -54,10 +54,23 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
         yield tmp_path
         if tmp_path.exists():
             os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are meant to be shared
+            fsync_path(tmp_path)
         os.replace(tmp_path, target)
+        fsync_path(target.parent)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's data, or a folder's entries, to disk. A rename is durable only once both the renamed file
+    and its folder are: after a power cut, an unsynced rename can leave a finished-looking file that is empty or
+    cut short, or no file at all."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def remove_stale_temporaries(target: Path) -> None:
@@ -72,6 +85,15 @@ def remove_stale_temporaries(target: Path) -> None:
         if pattern.fullmatch(sibling.name):
             with contextlib.suppress(FileNotFoundError):
                 sibling.unlink()
+
+
+def file_in(folder: str | os.PathLike, name: str) -> Path:
+    """``folder / name``, refusing a name that would put the file anywhere else (a separator, ``..``, an absolute
+    path): file names made from input data (a problem id) must never write outside the step's folder."""
+    path = Path(folder) / name
+    if not name or name in (".", "..") or Path(name).name != name or path.parent != Path(folder):
+        raise ValueError(f"{name!r}: not a plain file name, so it would not stay in {folder}")
+    return path
 
 
 def write_parquet(df: pl.DataFrame, target: str | os.PathLike) -> None:
@@ -117,6 +139,22 @@ def write_json(obj: Any, target: str | os.PathLike) -> None:
 def write_text(text: str, target: str | os.PathLike) -> None:
     with atomic_path(target) as tmp:
         tmp.write_text(text)
+
+
+def intact_scratch(path: str | os.PathLike) -> bool:
+    """Whether a step's scratch batch (a parquet file a killed or crashed run left) can be resumed from. A
+    damaged one is named in the log and deleted, so the step redoes that batch instead of failing on it at every
+    rerun."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    try:
+        pl.read_parquet(path)
+    except (pl.exceptions.PolarsError, OSError) as exc:
+        print(f"{path}: damaged scratch batch, redoing it ({type(exc).__name__}: {exc})", file=sys.stderr)
+        path.unlink()
+        return False
+    return True
 
 
 def remove_scratch(work_dir: str | os.PathLike) -> None:

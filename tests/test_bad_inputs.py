@@ -7,26 +7,15 @@ still plans the failed step (and so does one of the default target, whose inputs
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import MODEL_KEY, PACKAGES, TINY, clone_run, planned_rules, snakemake
+from conftest import MODEL_KEY, PACKAGES, TINY, clone_run, planned_rules, seed_model, snakemake, with_setting
 
 pytestmark = pytest.mark.slow
-
-
-def with_setting(config: dict, path: str, value) -> dict:
-    config = json.loads(json.dumps(config))
-    *parents, last = path.split(".")
-    node = config
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[last] = value
-    return config
 
 
 def assert_failed_naming(proc, *names: str) -> str:
@@ -103,12 +92,12 @@ def test_n_problems_beyond_the_dataset_is_refused_before_any_job(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-def test_edited_dataset_file_reruns_the_sampling_step(tmp_path):
+def test_edited_dataset_file_reruns_the_sampling_step(tmp_path, smollm2_dir):
     data = tmp_path / "mine.jsonl"
     data.write_text("".join(f'{{"question": "What is {i} plus 1?", "answer": "{i + 1}"}}\n' for i in range(4)))
     config = with_setting(with_setting(TINY, "dataset.source", "file"), "dataset.path", str(data))
     work = tmp_path / "work"
-    work.mkdir()
+    seed_model(work, smollm2_dir)  # the sampling step measures prompts with each configuration's tokenizer
     target = "results/problems/file-mine.parquet"
     snakemake(work, config, target)
     assert "sample_problems" not in planned_rules(work, config, target)
@@ -143,12 +132,14 @@ def test_a_target_outside_results_is_refused(tmp_path):
      ["problems.jsonl:2", "missing field 'answer'"]),
     ("", ["problems.jsonl: no problems"]),
 ])
-def test_bad_problem_file_fails_naming_the_file(tmp_path, content, names):
+def test_bad_problem_file_fails_naming_the_file(tmp_path, content, names, smollm2_dir):
     data = tmp_path / "problems.jsonl"
     data.write_text(content)
     config = with_setting(with_setting(TINY, "dataset.source", "file"), "dataset.path", str(data))
     config["dataset"]["n_problems"] = 1
     target = "results/problems/file-problems.parquet"
+    if content:  # the sampling step measures prompts with each configuration's tokenizer
+        seed_model(tmp_path, smollm2_dir)
     proc = snakemake(tmp_path, config, target, check=False)
     assert_failed_naming(proc, *names)
     assert not (tmp_path / target).exists()

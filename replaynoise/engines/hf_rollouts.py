@@ -19,6 +19,7 @@ from replaynoise.engines.sampling import (
     RowSampler, digest_rows, digest_strings, logits_digest, sample_rows, topk_logprobs, topk_rows,
 )
 from replaynoise.engines.states import IO_THREADS, bucket, cache_layers
+from replaynoise.io import file_in
 
 
 class HFRollouts:
@@ -44,7 +45,7 @@ class HFRollouts:
             for req, (rollout, layers) in zip(requests, rows):
                 keep = min(keep_len(rollout), layers[0][0].shape[-2])
                 if keep > 0:
-                    path = Path(kv_dir) / f"{req.key}.safetensors"
+                    path = file_in(kv_dir, f"{req.key}.safetensors")
                     ids = (rollout.prompt_ids + rollout.response_ids)[:keep]
                     saving.append((rollout, pool.submit(save_kv, layers, keep, path, ids=ids)))
                     rollout.kv_file, rollout.kv_len = str(path), keep

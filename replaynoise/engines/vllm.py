@@ -38,7 +38,7 @@ from replaynoise.engines.base import (
 )
 from replaynoise.passes import PrefixSource, as_source
 from replaynoise.progress import Phases
-from replaynoise.io import sha256_file, write_json
+from replaynoise.io import file_in, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ class VLLMEngine:
                               gen.topk_logprobs, chained_digests(gen.raw), gen.finish_reason, rollout=req.rollout)
             keep = keep_len(rollout)
             if keep > 0:
-                path = Path(kv_dir) / f"{req.key}.json"
+                path = file_in(kv_dir, f"{req.key}.json")
                 rollout.kv_sha256 = write_recipe({**recipe, "index": index}, path)
                 rollout.kv_file, rollout.kv_len = str(path), keep
             rollouts.append(rollout)

@@ -2,13 +2,19 @@ import re
 import sys
 from pathlib import Path
 
+import yaml
+
 from snakemake.exceptions import WorkflowError
+from snakemake.settings.types import DeploymentMethod
 
 sys.path.insert(0, workflow.basedir)
 
 from replaynoise.analysis import POOL_KEYS  # noqa: E402
 from replaynoise.control_report import control_outputs  # noqa: E402
-from replaynoise.config import ConfigError, analysis_hash, check_config_file, validate_config  # noqa: E402
+from replaynoise.config import (  # noqa: E402
+    ConfigError, analysis_hash, check_config_file, overlay_adds_default_configs, platform_problems, prompt_room,
+    validate_config,
+)
 from replaynoise.datasets import check_n_problems  # noqa: E402
 from replaynoise.figures import FROM_COMPARISONS, FROM_CREDIT, plot_options  # noqa: E402
 from replaynoise.models import model_source_files, resolve_model_spec  # noqa: E402
@@ -28,6 +34,15 @@ except (ConfigError, ValueError) as exc:
     raise WorkflowError(str(exc)) from None
 config.clear()
 config.update(_validated)
+
+# An overlay given without --replace-workflow-config adds its configurations to the default's, which would run
+# and be pooled with the user's: said at the start, loudly.
+if not workflow.config_settings.replace_workflow_config:
+    _added = overlay_adds_default_configs([yaml.safe_load(Path(f).read_text()) for f in workflow.overwrite_configfiles])
+    if _added:
+        print(f"\n{'!' * 100}\nWARNING: the --configfile overlay names its own configs, and Snakemake merges them with "
+              f"those of config/config.yaml: this run ALSO runs and pools the default configuration(s) {_added}.\n"
+              f"Add --replace-workflow-config to run only yours.\n{'!' * 100}\n", file=sys.stderr)
 
 CONFIGS = sorted(config["configs"])
 RUN_PASSES = list(config["replay"]["passes"])
@@ -95,6 +110,17 @@ PROVENANCE = "results/provenance.json"
 
 def problems_file(dataset=None):
     return f"results/problems/{dataset_name() if dataset is None else dataset}.parquet"
+
+
+def dataset_read_file(dataset=None):
+    """The sha256 of the user's dataset file as the sampling step read it (provenance.json records this one, not
+    the file's digest when the run ends)."""
+    return f"results/problems/{dataset_name() if dataset is None else dataset}.read.json"
+
+
+def sampling_outputs(dataset):
+    read = {"read": dataset_read_file(dataset)} if config["dataset"]["source"] == "file" else {}
+    return {"problems": problems_file(dataset), **read}
 
 
 def model_path(key):
@@ -234,25 +260,9 @@ def figure_outputs(name):
     }
 
 
-def lost_shards(wildcards=None):
-    """The shard outputs that are missing while the table gathered from them exists (empty in a fresh or a
-    finished run, so the default target stays short)."""
-    lost = []
-    for c in CONFIGS:
-        gathered = [(rollouts_file(c),
-                     [rollout_shard_file(c, s) for s in SHARDS] + [kv_dir(c, s) for s in SHARDS])]
-        gathered += [(pass_file(c, p), [pass_shard_file(c, p, s) for s in SHARDS]) for p in RUN_PASSES]
-        for table, shards in gathered:
-            if Path(table).exists():
-                lost += [f for f in shards if not Path(f).exists()]
-        if not Path(kv_index_file(c)).exists() and any(Path(pass_file(c, p)).exists() for p in RUN_PASSES):
-            lost.append(kv_index_file(c))
-    return lost
-
-
 def manifest_inputs(wildcards=None):
     """Every output of the DAG, so the manifest covers exactly this configuration's results."""
-    files = [problems_file()]
+    files = list(sampling_outputs(dataset_name()).values())
     files += sorted({model_path(model_key(c)) for c in CONFIGS})
     for c in CONFIGS:
         files += [rollout_shard_file(c, s) for s in SHARDS] + [kv_dir(c, s) for s in SHARDS]

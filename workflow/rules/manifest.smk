@@ -11,6 +11,7 @@ rule manifest:
         analysis_hash=ANALYSIS_HASH,
         repo=workflow.basedir,
         inputs=user_inputs(),
+        read=[dataset_read_file()] if config["dataset"]["source"] == "file" else [],
     log:
         f"{LOGS}/manifest.log",
     conda:

@@ -1,0 +1,453 @@
+"""Inputs a hostile or careless user can give (issue 37): ids that would become paths, results lost between runs,
+inputs edited mid-run, prompts past the context, settings that can give no result, damaged scratch, a rebuild
+into its own reference. Each is refused by name before it can do harm, or repaired, and the embedded default's
+results do not change.
+
+The model-free tests run in seconds; those marked slow run Snakemake.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import polars as pl
+import pytest
+import yaml
+
+from conftest import REPO, SNAKEMAKE, TINY, clone_run, planned_rules, seed_model, snakemake, with_setting
+from replaynoise import io as rio
+from replaynoise import reanalyze, reference, replay, rollouts
+from replaynoise.config import (
+    ConfigError, analysis_hash, overlay_adds_default_configs, platform_problems, prompt_room, validate_config,
+)
+from replaynoise.datasets import load_problems, read_problems
+from replaynoise.engines.base import ContinuationResult, SamplingSettings
+from replaynoise.io import file_in, intact_scratch, read_json, sha256_file
+from replaynoise.progress import Phases
+from replaynoise.provenance import input_checksums, verify_inputs
+
+DEFAULT = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+# ------------------------------------------------------------------------------------- 1. ids that become paths
+
+@pytest.mark.parametrize("bad_id", [
+    "../../../../../../../../../../tmp/x",  # wrote /tmp/x.r0.safetensors
+    "a/b",  # failed only in the replay pass, as "deleted or moved"
+    "two\nlines",  # split its line of MANIFEST.sha256
+    "x" * 245,  # File name too long, after generation
+])
+def test_an_id_that_cannot_name_a_file_is_refused_by_file_and_line(tmp_path, bad_id):
+    data = jsonl(tmp_path / "mine.jsonl", [{"id": "ok", "question": "What is 1 plus 1?", "answer": "2"},
+                                           {"id": bad_id, "question": "What is 2 plus 2?", "answer": "4"}])
+    with pytest.raises(ValueError, match=r"mine\.jsonl:2: problem id .*(cannot name a file|bytes long)"):
+        load_problems("file", str(data), tmp_path)
+
+
+def test_a_safe_id_still_loads(tmp_path):
+    data = jsonl(tmp_path / "mine.jsonl", [{"id": "chal-1.v2 b", "question": "What is 1 plus 1?", "answer": "2"}])
+    assert load_problems("file", str(data), tmp_path)["problem_id"].to_list() == ["mine-chal-1.v2 b"]
+
+
+@pytest.mark.parametrize("name", ["../x.safetensors", "/tmp/x.safetensors", "a/b.json", "..", ""])
+def test_a_file_name_made_from_data_never_leaves_its_folder(tmp_path, name):
+    with pytest.raises(ValueError, match="not a plain file name"):
+        file_in(tmp_path / "kv", name)
+    assert file_in(tmp_path / "kv", "p-1.r0.safetensors") == tmp_path / "kv" / "p-1.r0.safetensors"
+
+
+# ------------------------------------------------------------------------------------- 3. inputs hashed when read
+
+def test_provenance_records_the_dataset_as_the_sampling_step_read_it(tmp_path):
+    data = jsonl(tmp_path / "mine.jsonl", [{"question": f"What is {i} plus 1?", "answer": str(i + 1)}
+                                           for i in range(3)])
+    read = read_problems("file", str(data), tmp_path)
+    assert read.sha256 == sha256_file(data)
+    assert read.where["mine-1"] == f"{data}:2"
+    with open(data, "a") as fh:  # edited while a later step runs
+        fh.write(json.dumps({"question": "What is 9 plus 1?", "answer": "10"}) + "\n")
+    recorded = input_checksums([str(data)], {str(data): read.sha256})
+    assert recorded == {str(data): read.sha256} != {str(data): sha256_file(data)}
+    provenance = tmp_path / "provenance.json"
+    provenance.write_text(json.dumps({"inputs": recorded}))
+    assert any(str(data) in line for line in verify_inputs(provenance))
+
+
+# ------------------------------------------------------------------------------- 4. prompts longer than the room
+
+class WordTokenizer:
+    """One token per word: enough to measure a prompt (prompt.style plain)."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": list(range(len(text.split())))}
+
+
+PLAIN = {"style": "plain", "instruction": ""}
+
+
+def test_a_prompt_past_the_room_is_refused_by_file_and_line_or_skipped_with_a_count(tmp_path, capsys):
+    rows = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(4)]
+    rows[2]["question"] = "long " * 500 + "What is 2 plus 1?"
+    loaded = read_problems("file", str(jsonl(tmp_path / "mine.jsonl", rows)), tmp_path)
+    checks = [("tiny", WordTokenizer(), 100)]
+    with pytest.raises(ValueError, match=r"mine\.jsonl:3: problem mine-2: its prompt is 50\d tokens, and "
+                                         r"configuration tiny has room for 100"):
+        rollouts.sample_fitting(loaded, 4, 0, "first", checks, PLAIN)
+    kept = rollouts.sample_fitting(loaded, 3, 0, "first", checks, PLAIN, long_prompts="skip")
+    assert kept["problem_id"].to_list() == ["mine-0", "mine-1", "mine-3"]
+    assert "skipped 1 of 4 problems" in capsys.readouterr().err
+    # what fits is sampled exactly as before the check existed
+    fitting = rollouts.sample_fitting(loaded, 2, 5, "random", [("tiny", WordTokenizer(), 1000)], PLAIN)
+    assert fitting.equals(rollouts.sample_problems(loaded.frame, 2, 5, "random"))
+
+
+def test_the_room_is_the_context_less_both_budgets():
+    config = validate_config(DEFAULT)
+    settings = config["configs"]["smollm2-bf16"]
+    assert prompt_room(config, "smollm2-bf16") == 8192 - settings["max_new_tokens"] - max(
+        config["replay"]["max_new_tokens"], config["replay"]["probe_tokens"])
+
+
+def test_long_prompts_takes_refuse_or_skip_only():
+    assert validate_config(with_setting(DEFAULT, "dataset.long_prompts", "skip"))["dataset"]["long_prompts"] == "skip"
+    with pytest.raises(ConfigError, match="dataset.long_prompts"):
+        validate_config(with_setting(DEFAULT, "dataset.long_prompts", "truncate"))
+
+
+# --------------------------------------------------------------------------------------------- 5. n_boot minimum
+
+@pytest.mark.parametrize("n_boot", [-1, 0, 1, 2, 19])
+def test_too_few_bootstrap_resamples_are_refused_by_name(n_boot, capsys):
+    with pytest.raises(ConfigError, match=rf"analysis\.n_boot: {n_boot} is less than the minimum of 20"):
+        validate_config(with_setting(DEFAULT, "analysis.n_boot", n_boot))
+    paper = REPO / "tests" / "data" / "paper-records" / "c2-k16.json.gz"
+    assert reanalyze.main([str(paper), "--n-boot", str(n_boot), "--no-figures", "--out", "/nonexistent"]) == 2
+    assert f"--n-boot (analysis.n_boot) is {n_boot}; at least 20" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- 6. damaged scratch
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_a_truncated_rollout_batch_is_named_and_redone(tmp_path, capsys):
+    batch = tmp_path / "records" / "batch_00000.parquet"
+    batch.parent.mkdir()
+    rio.write_parquet(pl.DataFrame({"kv_file": [None, None]}, schema={"kv_file": pl.Utf8}), batch)
+    assert rollouts._resumable(batch, tmp_path / "kv")
+    truncate(batch)
+    assert not rollouts._resumable(batch, tmp_path / "kv")
+    assert f"{batch}: damaged scratch batch, redoing it" in capsys.readouterr().err
+    assert not batch.exists()
+
+
+class CountingEngine:
+    """An engine whose continuations are a function of the request alone: enough to check what a pass resumes."""
+
+    name = "counting"
+    stop_ids: set[int] = set()
+
+    class tokenizer:
+        @staticmethod
+        def decode(ids, **_):
+            return " ".join(map(str, ids))
+
+    def __init__(self):
+        self.phases, self.batches = Phases(), 0
+
+    def run_batch(self, requests, source, sampling):
+        self.batches += 1
+        return [ContinuationResult(token_ids=[req.seed % 7], finish_reason="stop", verified=True,
+                                   prefix_len=len(req.prefix_ids), next_topk_ids=[1], next_topk_logprobs=[-0.5],
+                                   next_digest="d") for req in requests]
+
+
+def one_pass(engine, work_dir: Path) -> pl.DataFrame:
+    rollout_rows = pl.DataFrame({"problem_id": ["p"], "rollout": [0], "prompt_ids": [[1, 2]],
+                                 "response_ids": [[3, 4, 5]], "kv_file": [None], "kv_sha256": [None],
+                                 "logits_digests": [["a", "b", "c"]], "gold": ["4"]},
+                                schema_overrides={"kv_file": pl.Utf8, "kv_sha256": pl.Utf8})
+    pivots = pl.DataFrame({"pivot_id": ["p/r0@1", "p/r0@2"], "problem_id": ["p", "p"], "rollout": [0, 0],
+                           "t": [1, 2], "orig_token": [4, 5], "sub_token": [6, 6]})
+    return replay.run_pass(engine, pivots, rollout_rows, pass_name="refeed", config_name="c", seed=1, k=2,
+                           sampling=SamplingSettings(0.7, 1.0, 4), batch_size=3, work_dir=work_dir,
+                           scratch_key="key")
+
+
+def test_a_truncated_pass_batch_is_named_and_redone_to_the_same_result(tmp_path, capsys):
+    whole = one_pass(CountingEngine(), tmp_path / "whole")
+    work = tmp_path / "resumed"
+    one_pass(CountingEngine(), work)
+    batches = sorted(work.glob("batch_*.parquet"))
+    assert len(batches) == 3
+    truncate(batches[1])
+    engine = CountingEngine()
+    assert one_pass(engine, work).equals(whole)
+    assert engine.batches == 1  # only the damaged batch was redone
+    assert f"{batches[1]}: damaged scratch batch, redoing it" in capsys.readouterr().err
+
+
+def test_intact_scratch_leaves_a_good_file_alone(tmp_path):
+    good = tmp_path / "b.parquet"
+    rio.write_parquet(pl.DataFrame({"a": [1]}), good)
+    assert intact_scratch(good) and good.is_file()
+    assert not intact_scratch(tmp_path / "absent.parquet")
+
+
+def test_a_rename_into_place_is_made_durable(tmp_path, monkeypatch):
+    """The written file and its folder are both flushed (fsync), so the rename survives a power cut."""
+    synced = []
+    real = os.fsync
+
+    def spy(fd):
+        synced.append(os.fstat(fd).st_ino)
+        real(fd)
+
+    monkeypatch.setattr(rio.os, "fsync", spy)
+    target = tmp_path / "out" / "x.json"
+    rio.write_json({"a": 1}, target)
+    assert target.stat().st_ino in synced, "the file was not synced"
+    assert target.parent.stat().st_ino in synced, "its folder was not synced after the rename"
+
+
+# ---------------------------------------------------------------------------- 7. a rebuild into its reference
+
+@pytest.mark.parametrize("inside", ["", "analysis", "new/folder"])
+def test_a_rebuild_into_its_own_reference_is_refused(tmp_path, capsys, inside):
+    ref = shutil.copytree(REPO / "reference" / "gpu" / "qwen-k8", tmp_path / "qwen-k8")
+    before = {p: p.read_bytes() for p in ref.rglob("*") if p.is_file()}
+    assert reference.main(["rebuild", str(ref), str(ref / inside)]) == 2
+    assert "is the reference folder" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in ref.rglob("*") if p.is_file()} == before
+
+
+# ------------------------------------------------------------------------ 8. settings that can give no pivot
+
+@pytest.mark.parametrize("changes, names", [
+    ({"pivots.align_to_block": True, "pivots.block_offsets": [40]},
+     ["pivots.block_offsets", "configs.smollm2-bf16.block_size", "[40]"]),
+    ({"rollouts.per_problem": 1, "rollouts.screen.rule": "mixed"},
+     ["rollouts.screen.rule", "rollouts.per_problem", "at least 2"]),
+])
+def test_settings_that_cannot_give_a_pivot_are_refused(changes, names):
+    config = DEFAULT
+    for key, value in changes.items():
+        config = with_setting(config, key, value)
+    with pytest.raises(ConfigError) as err:
+        validate_config(config)
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_offsets_within_the_block_and_a_mixed_screen_of_several_rollouts_pass():
+    ok = with_setting(with_setting(DEFAULT, "pivots.align_to_block", True), "pivots.block_offsets", [0, 31])
+    validate_config(with_setting(with_setting(ok, "rollouts.per_problem", 2), "rollouts.screen.rule", "mixed"))
+
+
+# ------------------------------------------------------------------------------- 9, 11. names that become paths
+
+def test_a_configuration_name_ending_in_a_newline_is_refused():
+    config = with_setting(DEFAULT, "configs", {"mine\n": DEFAULT["configs"]["smollm2-bf16"]})
+    with pytest.raises(ConfigError, match=r"configs\.'mine\\n'"):
+        validate_config(config)
+
+
+@pytest.mark.parametrize("name", ["data{1}.jsonl", "data}.jsonl"])
+def test_a_dataset_path_with_braces_is_refused_by_key_and_path(tmp_path, name):
+    data = jsonl(tmp_path / name, [{"question": "What is 1 plus 1?", "answer": "2"}])
+    config = with_setting(with_setting(DEFAULT, "dataset.source", "file"), "dataset.path", str(data))
+    with pytest.raises(ConfigError, match=r"config key dataset\.path: .*brace"):
+        validate_config(config)
+
+
+def test_a_local_model_file_with_braces_is_refused_by_key_and_path(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "notes{v2}.txt"):
+        (model / name).write_text("{}")
+    config = with_setting(DEFAULT, "configs.smollm2-bf16.model", str(model))
+    with pytest.raises(ConfigError, match=r"configs\.smollm2-bf16\.model: .*notes\{v2\}\.txt.*brace"):
+        validate_config(config)
+
+
+# --------------------------------------------------------------------------- 10. reanalyze checks record fields
+
+GOOD = {"problem_id": 1, "rollout": 0, "abs_pos": 16, "margin": 0.5, "A_exact1": 0.25, "A_exact2": 0.25,
+        "A_refeed": 0.5}
+
+
+@pytest.mark.parametrize("pivot, extra, names", [
+    ("not a pivot", [], ["pivot 1", "not an object"]),
+    (GOOD | {"margin": None}, [], ["pivot 1", "'margin'", "None"]),
+    (GOOD | {"abs_pos": "x12"}, [], ["pivot 1", "'abs_pos'", "'x12'"]),
+    (GOOD | {"abs_pos": 17, "A_refeed": float("nan")}, [], ["pivot 1", "A_refeed", "nan", "not a finite number"]),
+    (GOOD | {"abs_pos": 17}, ["--k", "16"], ["--k 16 differs from the K of 8"]),
+])
+def test_reanalyze_names_the_file_pivot_and_field_of_a_bad_record(tmp_path, capsys, pivot, extra, names):
+    records = tmp_path / "bad.json"
+    records.write_text(json.dumps({"config": {"k": 8}, "pivots": [GOOD, pivot]}))
+    assert reanalyze.main([str(records), "--no-figures", "--out", str(tmp_path / "out"), *extra]) == 2
+    err = capsys.readouterr().err
+    for name in [str(records), *names]:
+        assert name in err, err
+
+
+# ------------------------------------------------------------------------------------ 13. pass order and hash
+
+def test_the_order_of_replay_passes_changes_neither_the_settings_nor_the_hash():
+    written = validate_config(with_setting(DEFAULT, "replay.passes", ["refeed", "selector", "exact", "replica"]))
+    canonical = validate_config(with_setting(DEFAULT, "replay.passes", ["exact", "replica", "refeed", "selector"]))
+    assert written == canonical
+    assert analysis_hash(written) == analysis_hash(canonical)
+
+
+@pytest.mark.parametrize("provenance", sorted((REPO / "reference").rglob("provenance.json")),
+                         ids=lambda p: str(p.parent.relative_to(REPO)))
+def test_every_committed_reference_keeps_its_analysis_hash(provenance):
+    recorded = read_json(provenance)
+    assert analysis_hash(recorded["config"]) == recorded["analysis_hash"]
+    shuffled = with_setting(recorded["config"], "replay.passes", list(reversed(recorded["config"]["replay"]["passes"])))
+    assert analysis_hash(shuffled) == recorded["analysis_hash"]
+
+
+# ------------------------------------------------------------------ 14. compare across configurations says so
+
+def test_compare_across_different_settings_says_first_that_the_analysis_hashes_differ(tmp_path, capsys):
+    ref = shutil.copytree(REPO / "reference" / "cpu", tmp_path / "ref")
+    other = shutil.copytree(REPO / "reference" / "cpu", tmp_path / "other")
+    provenance = json.loads((other / "provenance.json").read_text())
+    provenance["analysis_hash"] = "0123456789abcdef"
+    (other / "provenance.json").write_text(json.dumps(provenance))
+    table = other / "tables" / "headline.csv"
+    table.write_text(table.read_text().replace("0.", "1.", 1))
+    manifest = other / "MANIFEST.sha256"
+    manifest.write_text("".join(f"{sha256_file(other / line.split(maxsplit=1)[1])}  {line.split(maxsplit=1)[1]}\n"
+                                if line.endswith("tables/headline.csv") else line + "\n"
+                                for line in manifest.read_text().splitlines()))
+    assert reference.main(["compare", str(ref), str(other)]) == 1
+    out = capsys.readouterr().out
+    committed = read_json(ref / "provenance.json")["analysis_hash"]
+    assert out.startswith(f"The analysis hashes differ ({ref}: {committed}, {other}: 0123456789abcdef)"), out
+    assert "last-bit drift of the kernels" not in out
+    assert reference.main(["compare", str(ref), str(ref)]) == 0
+    assert "analysis hashes differ" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- 12, platform: refused up front
+
+def test_an_overlay_of_its_own_configs_is_told_the_default_runs_too():
+    assert overlay_adds_default_configs([{"configs": {"mine": {}}}]) == ["smollm2-bf16"]
+    assert overlay_adds_default_configs([{"configs": {"smollm2-bf16": {}}}]) == []
+    assert overlay_adds_default_configs([{"dataset": {"n_problems": 4}}]) == []
+
+
+def test_a_machine_without_the_gpu_or_vllm_is_named_before_any_job(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    config = validate_config(with_setting(DEFAULT, "configs.smollm2-bf16.device", "cuda:1"))
+    (tmp_path / "nvidia0").touch()
+    assert any("configs.smollm2-bf16.device: 'cuda:1'" in p and "1 NVIDIA GPU" in p
+               for p in platform_problems(config, dev=tmp_path))
+    (tmp_path / "nvidia1").touch()
+    assert platform_problems(config, dev=tmp_path) == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert platform_problems(config, dev=tmp_path)
+    vllm = validate_config(with_setting(DEFAULT, "configs.smollm2-bf16.engine", "vllm"))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert any("configs.smollm2-bf16.engine: 'vllm', but vLLM is not installed" in p
+               for p in platform_problems(vllm, dev=tmp_path))
+    assert platform_problems(vllm, conda=True, dev=tmp_path) == []
+
+
+@pytest.mark.slow
+def test_device_cuda_without_a_gpu_stops_the_run_before_any_job(tmp_path):
+    if platform_problems(validate_config(with_setting(TINY, "configs.tiny.device", "cuda"))) == []:
+        pytest.skip("this machine has a GPU")
+    proc = snakemake(tmp_path, with_setting(TINY, "configs.tiny.device", "cuda"), check=False)
+    assert proc.returncode != 0
+    assert "configs.tiny.device: 'cuda'" in proc.stderr + proc.stdout
+    assert not (tmp_path / "results" / "models").exists() and not (tmp_path / "results" / "problems").exists()
+
+
+@pytest.mark.slow
+def test_an_overlay_without_replace_workflow_config_warns_at_the_start(tmp_path):
+    overlay = tmp_path / "mine.yaml"
+    overlay.write_text(yaml.safe_dump({"configs": {"mine": TINY["configs"]["tiny"]}}))
+    base = [*SNAKEMAKE, "--directory", str(tmp_path), "--cores", "1", "-n", "--configfile", str(overlay)]
+    warned = subprocess.run(base, capture_output=True, text=True, timeout=600)
+    assert warned.returncode == 0, warned.stderr[-2000:]
+    assert "ALSO runs and pools the default configuration(s) ['smollm2-bf16']" in warned.stderr
+    quiet = subprocess.run([*base, "--replace-workflow-config"], capture_output=True, text=True, timeout=600)
+    assert quiet.returncode == 0 and "ALSO runs" not in quiet.stderr
+
+
+# -------------------------------------------------------------------- 2. every lost output is rebuilt
+
+@pytest.mark.slow
+def test_every_kind_of_output_lost_between_runs_is_rebuilt_by_the_next_plain_run(tiny_run, tmp_path):
+    """--forcerun deletes a step's outputs before running it; Ctrl-C then leaves them missing while everything
+    downstream still exists. The next plain run must rebuild each, not say "Nothing to be done"."""
+    run = clone_run(tiny_run, tmp_path / "run")
+    assert planned_rules(run, TINY) == set()
+    lost = {"results/credit/tiny/refeed.parquet": "compute_credit",
+            "results/credit/tiny/exact.parquet": "compute_credit",
+            "results/pivots/tiny.parquet": "select_pivots",
+            "results/analysis/tiny/channels.csv": "compare_passes",
+            "results/passes/tiny/exact.parquet": "gather_pass",
+            "results/rollouts/tiny/rollouts.parquet": "gather_rollouts",
+            "results/rollouts/tiny/kv.json": "index_kv",
+            "results/analysis/pooled/comparison.json": "compare_pooled",
+            "results/tables/headline.md": "headline_tables",
+            "results/figures/disagreement.pdf": "figure_disagreement",
+            "results/passes/tiny/exact/000.parquet": "replay_exact",
+            "results/cost/cost.csv": "cost_report"}
+    for path, rule in lost.items():
+        kept = tmp_path / "kept"
+        shutil.copy2(run / path, kept)
+        (run / path).unlink()
+        assert rule in planned_rules(run, TINY), path
+        shutil.copy2(kept, run / path)
+
+
+@pytest.mark.slow
+def test_the_sampling_step_records_the_digest_of_what_it_read(tmp_path, smollm2_dir):
+    data = jsonl(tmp_path / "mine.jsonl", [{"question": f"What is {i} plus 1?", "answer": str(i + 1)}
+                                           for i in range(3)])
+    config = with_setting(with_setting(with_setting(TINY, "dataset.source", "file"), "dataset.path", str(data)),
+                      "dataset.n_problems", 3)
+    work = tmp_path / "work"
+    seed_model(work, smollm2_dir)
+    snakemake(work, config, "results/problems/file-mine.parquet")
+    assert read_json(work / "results" / "problems" / "file-mine.read.json") == {
+        "path": str(data), "sha256": sha256_file(data)}
+
+
+@pytest.mark.slow
+def test_a_prompt_past_the_context_stops_the_sampling_step_by_file_and_line(tmp_path, smollm2_dir):
+    rows = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(3)]
+    rows[1]["question"] = "word " * 9000 + "What is 1 plus 1?"
+    data = jsonl(tmp_path / "mine.jsonl", rows)
+    config = with_setting(with_setting(with_setting(TINY, "dataset.source", "file"), "dataset.path", str(data)),
+                      "dataset.n_problems", 3)
+    work = tmp_path / "work"
+    seed_model(work, smollm2_dir)
+    proc = snakemake(work, config, "results/problems/file-mine.parquet", check=False)
+    assert proc.returncode != 0
+    log = (work / "results" / "logs" / "sample_problems" / "file-mine.log").read_text()
+    assert f"{data}:2: problem mine-1: its prompt is" in log, log[-2000:]
+    skip = with_setting(config, "dataset.long_prompts", "skip")
+    skip["dataset"]["n_problems"] = 2
+    snakemake(work, skip, "results/problems/file-mine.parquet")
+    assert pl.read_parquet(work / "results" / "problems" / "file-mine.parquet")["problem_id"].to_list() == [
+        "mine-0", "mine-2"]
+    assert "skipped 1 of 3 problems" in (work / "results" / "logs" / "sample_problems" / "file-mine.log").read_text()
