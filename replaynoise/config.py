@@ -287,15 +287,6 @@ def _check_pivots_possible(config: dict) -> None:
                               f"{settings['block_size']} never equals them and they can give no pivot")
 
 
-def prompt_room(config: dict, name: str) -> int | None:
-    """How many prompt tokens configuration ``name`` has room for: its model's context (or the invariant
-    decoder's cache) less the rollout and the longest continuation; None where the model does not say."""
-    settings = config["configs"][name]
-    limits = [n for n in (context_length(settings["model"]), settings.get("invariant_context")) if n is not None]
-    continuation = max(config["replay"]["max_new_tokens"], config["replay"]["probe_tokens"])
-    return min(limits) - settings["max_new_tokens"] - continuation if limits else None
-
-
 def _check_passes(passes: list[str]) -> None:
     """Each pass a precision arm is compared with must run too (its row of the table needs both)."""
     for name in passes:

@@ -11,13 +11,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import polars as pl
 
-from replaynoise.datasets import LoadedProblems, sample_problems
 from replaynoise.grading import extract_answer, is_correct
 from replaynoise.engines.base import Engine, Rollout, RolloutRequest, SamplingSettings
 from replaynoise.seeds import derive_seed
@@ -47,45 +44,6 @@ def prompt_ids(tokenizer, question: str, style: str, instruction: str, shots: li
         examples = "".join(f"Question: {ask(shot['question'])}\nAnswer: {shot['answer']}\n\n" for shot in shots)
         return list(tokenizer(f"{examples}Question: {ask(question)}\nAnswer:", add_special_tokens=True)["input_ids"])
     raise ValueError(f"prompt.style must be one of {PROMPT_STYLES}, got {style!r}")
-
-
-#: What a configuration's prompts must fit: (configuration name, its tokenizer, prompt tokens it has room for).
-PromptCheck = tuple[str, object, int | None]
-
-
-def overlong_prompts(problems: pl.DataFrame, checks: Sequence[PromptCheck], prompt: dict) -> dict[str, str]:
-    """{problem_id: why} for the problems whose prompt leaves some configuration too few positions for its
-    rollout and continuations (a model past its context still answers, and the answer is graded)."""
-    found = {}
-    for name, tokenizer, room in checks:
-        if room is None:
-            continue
-        for pid, question in zip(problems["problem_id"], problems["question"]):
-            length = len(prompt_ids(tokenizer, question, prompt["style"], prompt["instruction"],
-                                    prompt.get("shots", [])))
-            if length > room and pid not in found:
-                found[pid] = (f"its prompt is {length} tokens, and configuration {name} has room for {room} (its "
-                              f"model's context less the rollout and continuation budgets)")
-    return found
-
-
-def sample_fitting(loaded: LoadedProblems, n: int, seed: int, how: str, checks: Sequence[PromptCheck],
-                   prompt: dict, long_prompts: str = "refuse") -> pl.DataFrame:
-    """The problems sample_problems keeps: ``sample_problems`` of those whose prompts fit every configuration.
-    ``long_prompts`` "refuse" stops at the first sampled problem that does not fit, naming its file and line;
-    "skip" leaves such problems out of the pool before sampling, and says how many."""
-    if long_prompts == "skip":
-        over = overlong_prompts(loaded.frame, checks, prompt)
-        if over:
-            print(f"skipped {len(over)} of {loaded.frame.height} problems whose prompts do not fit "
-                  f"(dataset.long_prompts: skip): " + "; ".join(f"{loaded.where[p]} ({why})" for p, why in
-                                                                 list(over.items())[:10]), file=sys.stderr)
-        return sample_problems(loaded.frame.filter(~pl.col("problem_id").is_in(list(over))), n, seed, how)
-    sample = sample_problems(loaded.frame, n, seed, how)
-    for pid, why in overlong_prompts(sample, checks, prompt).items():
-        raise ValueError(f"{loaded.where[pid]}: problem {pid}: {why}; shorten the question, raise no budget past "
-                         "the context, or set dataset.long_prompts: skip to leave such problems out")
-    return sample
 
 
 def char_offsets(tokenizer, ids: list[int]) -> list[int]:

@@ -1,5 +1,5 @@
 """Inputs a hostile or careless user can give (issue 37): ids that would become paths, results lost between runs,
-inputs edited mid-run, prompts past the context, settings that can give no result, damaged scratch, a rebuild
+inputs edited mid-run, settings that can give no result, damaged scratch, a rebuild
 into its own reference. Each is refused by name before it can do harm, or repaired, and the embedded default's
 results do not change.
 
@@ -22,7 +22,7 @@ from conftest import REPO, SNAKEMAKE, TINY, clone_run, planned_rules, seed_model
 from replaynoise import io as rio
 from replaynoise import reanalyze, reference, replay, rollouts
 from replaynoise.config import (
-    ConfigError, analysis_hash, overlay_adds_default_configs, platform_problems, prompt_room, validate_config,
+    ConfigError, analysis_hash, overlay_adds_default_configs, platform_problems, validate_config,
 )
 from replaynoise.datasets import load_problems, read_problems
 from replaynoise.engines.base import ContinuationResult, SamplingSettings
@@ -80,47 +80,6 @@ def test_provenance_records_the_dataset_as_the_sampling_step_read_it(tmp_path):
     provenance = tmp_path / "provenance.json"
     provenance.write_text(json.dumps({"inputs": recorded}))
     assert any(str(data) in line for line in verify_inputs(provenance))
-
-
-# ------------------------------------------------------------------------------- 4. prompts longer than the room
-
-class WordTokenizer:
-    """One token per word: enough to measure a prompt (prompt.style plain)."""
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": list(range(len(text.split())))}
-
-
-PLAIN = {"style": "plain", "instruction": ""}
-
-
-def test_a_prompt_past_the_room_is_refused_by_file_and_line_or_skipped_with_a_count(tmp_path, capsys):
-    rows = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(4)]
-    rows[2]["question"] = "long " * 500 + "What is 2 plus 1?"
-    loaded = read_problems("file", str(jsonl(tmp_path / "mine.jsonl", rows)), tmp_path)
-    checks = [("tiny", WordTokenizer(), 100)]
-    with pytest.raises(ValueError, match=r"mine\.jsonl:3: problem mine-2: its prompt is 50\d tokens, and "
-                                         r"configuration tiny has room for 100"):
-        rollouts.sample_fitting(loaded, 4, 0, "first", checks, PLAIN)
-    kept = rollouts.sample_fitting(loaded, 3, 0, "first", checks, PLAIN, long_prompts="skip")
-    assert kept["problem_id"].to_list() == ["mine-0", "mine-1", "mine-3"]
-    assert "skipped 1 of 4 problems" in capsys.readouterr().err
-    # what fits is sampled exactly as before the check existed
-    fitting = rollouts.sample_fitting(loaded, 2, 5, "random", [("tiny", WordTokenizer(), 1000)], PLAIN)
-    assert fitting.equals(rollouts.sample_problems(loaded.frame, 2, 5, "random"))
-
-
-def test_the_room_is_the_context_less_both_budgets():
-    config = validate_config(DEFAULT)
-    settings = config["configs"]["smollm2-bf16"]
-    assert prompt_room(config, "smollm2-bf16") == 8192 - settings["max_new_tokens"] - max(
-        config["replay"]["max_new_tokens"], config["replay"]["probe_tokens"])
-
-
-def test_long_prompts_takes_refuse_or_skip_only():
-    assert validate_config(with_setting(DEFAULT, "dataset.long_prompts", "skip"))["dataset"]["long_prompts"] == "skip"
-    with pytest.raises(ConfigError, match="dataset.long_prompts"):
-        validate_config(with_setting(DEFAULT, "dataset.long_prompts", "truncate"))
 
 
 # --------------------------------------------------------------------------------------------- 5. n_boot minimum
@@ -430,24 +389,3 @@ def test_the_sampling_step_records_the_digest_of_what_it_read(tmp_path, smollm2_
     snakemake(work, config, "results/problems/file-mine.parquet")
     assert read_json(work / "results" / "problems" / "file-mine.read.json") == {
         "path": str(data), "sha256": sha256_file(data)}
-
-
-@pytest.mark.slow
-def test_a_prompt_past_the_context_stops_the_sampling_step_by_file_and_line(tmp_path, smollm2_dir):
-    rows = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(3)]
-    rows[1]["question"] = "word " * 9000 + "What is 1 plus 1?"
-    data = jsonl(tmp_path / "mine.jsonl", rows)
-    config = with_setting(with_setting(with_setting(TINY, "dataset.source", "file"), "dataset.path", str(data)),
-                      "dataset.n_problems", 3)
-    work = tmp_path / "work"
-    seed_model(work, smollm2_dir)
-    proc = snakemake(work, config, "results/problems/file-mine.parquet", check=False)
-    assert proc.returncode != 0
-    log = (work / "results" / "logs" / "sample_problems" / "file-mine.log").read_text()
-    assert f"{data}:2: problem mine-1: its prompt is" in log, log[-2000:]
-    skip = with_setting(config, "dataset.long_prompts", "skip")
-    skip["dataset"]["n_problems"] = 2
-    snakemake(work, skip, "results/problems/file-mine.parquet")
-    assert pl.read_parquet(work / "results" / "problems" / "file-mine.parquet")["problem_id"].to_list() == [
-        "mine-0", "mine-2"]
-    assert "skipped 1 of 3 problems" in (work / "results" / "logs" / "sample_problems" / "file-mine.log").read_text()

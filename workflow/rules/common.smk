@@ -12,7 +12,7 @@ sys.path.insert(0, workflow.basedir)
 from replaynoise.analysis import POOL_KEYS  # noqa: E402
 from replaynoise.control_report import control_outputs  # noqa: E402
 from replaynoise.config import (  # noqa: E402
-    ConfigError, analysis_hash, check_config_file, overlay_adds_default_configs, platform_problems, prompt_room,
+    ConfigError, analysis_hash, check_config_file, overlay_adds_default_configs, platform_problems,
     validate_config,
 )
 from replaynoise.datasets import check_n_problems  # noqa: E402
