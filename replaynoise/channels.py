@@ -134,7 +134,7 @@ def _on_common_pivots(name_a: str, df_a: pl.DataFrame, name_b: str, df_b: pl.Dat
     with the other's rows of those pivots, not counted as missing the rest."""
     for name, df in ((name_a, df_a), (name_b, df_b)):
         if _samples(name):
-            ids = df["pivot_id"].unique()
+            ids = df["pivot_id"].unique().to_list()
             df_a, df_b = df_a.filter(pl.col("pivot_id").is_in(ids)), df_b.filter(pl.col("pivot_id").is_in(ids))
     return df_a, df_b
 
