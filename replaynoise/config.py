@@ -264,7 +264,7 @@ def _check_semantics(config: dict) -> None:
                 f"rollout tokens plus {config['replay']['max_new_tokens']} continuation tokens reach {budget}, "
                 f"beyond the {context} positions {settings['model']} attends over (with the prompt)")
         _check_engine(name, settings, config["replay"]["passes"])
-        _check_vllm_settings(name, settings, budget)
+        _check_vllm_settings(name, settings, budget, context)
     _check_passes(config["replay"]["passes"])
 
 
@@ -317,8 +317,9 @@ def _check_engine(name: str, settings: dict, passes: list[str]) -> None:
                           "no batch-invariant kernels. Use kernels: stock, or engine: hf")
 
 
-def _check_vllm_settings(name: str, settings: dict, budget: int) -> None:
-    """What vLLM would refuse only once the engine is built, minutes into a job, refused by key here."""
+def _check_vllm_settings(name: str, settings: dict, budget: int, context: int | None) -> None:
+    """What vLLM would refuse only once the engine is built, minutes into a job, refused by key here (``context``:
+    the model's positions, as ``_check_semantics`` read them)."""
     if settings["engine"] != "vllm":
         return
     v = settings["vllm"]
@@ -326,7 +327,6 @@ def _check_vllm_settings(name: str, settings: dict, budget: int) -> None:
         raise ConfigError(f"config key configs.{name}.vllm.max_model_len: {v['max_model_len']} positions do not hold "
                           f"a prompt plus {budget} rollout and continuation tokens (configs.{name}.max_new_tokens + "
                           "replay.max_new_tokens); raise it")
-    context = context_length(settings["model"])
     if context is not None and v["max_model_len"] > context:
         raise ConfigError(f"config key configs.{name}.vllm.max_model_len: {v['max_model_len']} is beyond the "
                           f"{context} positions {settings['model']} attends over; lower it")
