@@ -4,6 +4,7 @@
 # loop's time went. Run it from the project's root where `snakemake` and the packages are on the path (on the
 # lent H200: staged with ../shared/tools/gpu-stage and `source /root/stage/env.sh`, which sets $WORK):
 #   bash benchmarks/h200-pipeline.sh benchmarks/configs/h200-pipeline.yaml [TIMEOUT_S] [OUT_JSON]
+# TARGETS (optional, in the environment): the files to make instead of the whole run, in Snakemake's syntax.
 # Interrupted by TIMEOUT_S, a second call resumes the run (Snakemake keeps finished jobs; passes keep batches).
 set -uo pipefail
 cfg=$1 limit=${2:-520} out=${3:-}
@@ -24,7 +25,7 @@ set -m
 # GPU_SLOTS: model jobs sharing the GPU at once (default 1; small models leave an H200 mostly idle, but their
 # per-rule seconds then include the sharing, so the cost statement overstates their GPU time).
 snakemake -s "$PWD/Snakefile" --directory "$work" --cores "$(nproc)" --resources gpu="${GPU_SLOTS:-1}" --keep-going \
-    --configfile "$PWD/$cfg" --replace-workflow-config > "$log" 2>&1 &
+    --configfile "$PWD/$cfg" --replace-workflow-config ${TARGETS:-} >> "$log" 2>&1 &
 run=$!
 ( sleep "$limit"; kill -TERM -- "-$run"; sleep 15; kill -KILL -- "-$run" ) > /dev/null 2>&1 &
 watchdog=$!
@@ -34,4 +35,4 @@ set +m
 grep -E -i "error|exception" "$log" | head -20
 echo "wall ${SECONDS} s; MANIFEST: $(test -f "$work/results/MANIFEST.sha256" && echo present || echo absent)"
 grep -h -E ": done,|time by phase" "$work"/results/logs/generate_rollouts/*.log "$work"/results/logs/replay_*/*.log
-python benchmarks/pipeline.py "$work" --configfile "$cfg" ${out:+--out "$out"}
+[ -n "${TARGETS:-}" ] || python benchmarks/pipeline.py "$work" --configfile "$cfg" ${out:+--out "$out"}

@@ -26,15 +26,26 @@ from replaynoise.provenance import hardware
 
 LOOP = re.compile(r": done, (\d+) rows, (\d+) generated tokens in ([\d.]+) s")
 PHASE = re.compile(r"([^,;]+?) ([\d.]+) s")
+STEPS = re.compile(r"([^,]+?) (\d+)(?:,|$)")
 
 
-def phases(log: Path) -> dict[str, float] | None:
-    """Seconds per phase of the loop, from the log's "time by phase" line (progress.Phases)."""
+def logged(log: Path, label: str) -> str | None:
+    """What follows ``label`` on the log's last line that has it."""
     text = log.read_text(errors="replace") if log.is_file() else ""
-    lines = [line for line in text.splitlines() if ": time by phase: " in line]
-    if not lines:
-        return None
-    return {name.strip(): float(s) for name, s in PHASE.findall(lines[-1].split(": time by phase: ", 1)[1])}
+    lines = [line for line in text.splitlines() if label in line]
+    return lines[-1].split(label, 1)[1] if lines else None
+
+
+def phases(log: Path, label: str = ": time by phase: ") -> dict[str, float] | None:
+    """Seconds per phase, from the log's "time by phase" line (progress.Phases) or another line of its form."""
+    line = logged(log, label)
+    return None if line is None else {name.strip(): float(s) for name, s in PHASE.findall(line)}
+
+
+def steps(log: Path) -> dict[str, int] | None:
+    """Model steps per phase (progress.Phases.count), where the engine logs them."""
+    line = logged(log, ": steps by phase: ")
+    return None if line is None else {name.strip(): int(n) for name, n in STEPS.findall(line)}
 
 
 def loop_seconds(log: Path) -> float | None:
@@ -66,7 +77,9 @@ def rows_for(run: Path, config: dict) -> list[dict]:
         out.append({"rule": rule, "config": cfg, "shard": shard, "model": settings["model"],
                     "dtype": settings["dtype"], "rows": rows, "generated_tokens": tokens, "seconds": seconds,
                     "tokens_per_s": tokens / seconds, "loop_seconds": loop,
-                    "loop_tokens_per_s": tokens / loop if loop else None, "phases": phases(log)})
+                    "loop_tokens_per_s": tokens / loop if loop else None, "phases": phases(log),
+                    "steps": steps(log), "startup": phases(log, "engine start-up by phase: "),
+                    "gpu_memory": logged(log, ": GPU memory: ")})
     return out
 
 

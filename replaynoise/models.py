@@ -179,8 +179,10 @@ def prepare_model(spec: str, dtype: str, out_dir: Path, cache_dir: Path) -> dict
         else:
             check_local_model_dir(source)
             check_model_runs(source, dtype)
+            weights = sorted(source.glob("*.safetensors"))
             origin = {"kind": "local", "path": str(source.resolve()),
-                      "weights_sha256": {p.name: sha256_file(p) for p in sorted(source.glob("*.safetensors"))}}
+                      "weights_sha256": {p.name: sha256_file(p) for p in weights},
+                      "weights_stamp": {p.name: file_stamp(p) for p in weights}}
         info = {"spec": spec, "dtype": dtype, "origin": origin}
         write_json(info, tmp / "replaynoise-model.json")
         for path in [*tmp.rglob("*"), tmp]:
@@ -282,23 +284,34 @@ def check_model_runs(weights: Path, dtype: str) -> None:
                          "degenerate (zero-filled?)")
 
 
+def file_stamp(path: Path) -> list[int]:
+    """Size, mtime, ctime and inode: any write changes the ctime, which no user call can set back, so an equal
+    stamp means the bytes hashed when the model was prepared are still there."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
 def model_weights_dir(model_dir: Path) -> Path:
     """The directory holding the weights: the prepared directory, or the user's directory it points at. A user's
-    weights are checked against the sha256 recorded when the model was prepared: results made with other
-    weights must never be extended with these (an edit that kept the file's mtime escapes Snakemake)."""
+    weights must be those recorded when the model was prepared: results made with other weights must never be
+    extended with these (an edit that kept the file's mtime escapes Snakemake). A file whose stamp is unchanged
+    is not hashed again (a 7B model's 15 GB took most of every job's start-up); any other is, against its
+    recorded sha256. ``snakemake verify`` hashes them all."""
     info = read_json(Path(model_dir) / "replaynoise-model.json")
     if info["origin"]["kind"] != "local":
         return Path(model_dir)
     weights = Path(info["origin"]["path"])
     recorded = info["origin"]["weights_sha256"]
+    stamps = info["origin"].get("weights_stamp", {})
     found = {p.name: p for p in sorted(weights.glob("*.safetensors"))}
     if set(found) != set(recorded):
         raise ModelChangedError(f"{weights}: weights files {sorted(found)} differ from {sorted(recorded)}, recorded "
                                 f"when {model_dir} was prepared; rerun from prepare_model (snakemake --forcerun "
                                 f"prepare_model)")
     for name, path in found.items():
-        check_sha256(path, recorded[name], label=f"{path} (changed since {model_dir} was prepared from it; "
-                                                 f"rerun from prepare_model: snakemake --forcerun prepare_model)")
+        if stamps.get(name) != file_stamp(path):
+            check_sha256(path, recorded[name], label=f"{path} (changed since {model_dir} was prepared from it; "
+                                                     f"rerun from prepare_model: snakemake --forcerun prepare_model)")
     return weights
 
 
@@ -362,7 +375,9 @@ def load_model(model_dir: Path, dtype: str, device: str = "cpu"):
     weights = model_weights_dir(Path(model_dir))
     check_local_model_dir(weights)
     tokenizer = load_tokenizer(weights)
+    # Straight onto the device: a 7B model's 15 GB staged through host memory first took seconds of every job.
+    placement = {} if device == "cpu" else {"device_map": device}
     model = AutoModelForCausalLM.from_pretrained(
         weights, dtype=getattr(torch, dtype), local_files_only=True, trust_remote_code=False,
-        use_safetensors=True)
+        use_safetensors=True, **placement)
     return model.to(device).eval(), tokenizer

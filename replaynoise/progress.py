@@ -4,6 +4,7 @@ went (``Phases``)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,13 @@ class TokenProgress:
         parts = [p.summary() for p in phases if p.seconds]
         if parts:
             print(f"{self.bar.desc}: time by phase: {'; '.join(parts)}", file=sys.stderr)
+        steps = {name: n for p in phases for name, n in p.steps.items()}
+        if steps:
+            print(f"{self.bar.desc}: steps by phase: " + ", ".join(f"{name} {n}" for name, n in steps.items()),
+                  file=sys.stderr)
+        memory = gpu_memory()
+        if memory:
+            print(f"{self.bar.desc}: GPU memory: {memory}", file=sys.stderr)
 
 
 class Phases:
@@ -54,6 +62,11 @@ class Phases:
     def __init__(self, sync: Callable[[], None] | None = None) -> None:
         self.sync = sync or (lambda: None)
         self.seconds: dict[str, float] = {}
+        self.steps: dict[str, int] = {}
+
+    def count(self, name: str, steps: int) -> None:
+        """Model steps run in a phase, so its log gives milliseconds per step (the figure a roofline needs)."""
+        self.steps[name] = self.steps.get(name, 0) + steps
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -67,3 +80,27 @@ class Phases:
 
     def summary(self) -> str:
         return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.seconds.items())
+
+
+def process_seconds() -> float | None:
+    """Seconds since this process started (Linux; None elsewhere): a job's time before its first line of work,
+    its imports, which no timer inside the process can see."""
+    try:
+        fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def gpu_memory() -> str | None:
+    """Peak memory this process's torch allocator held, and the device's memory in use now (an engine that
+    runs in a process of its own, as vLLM's does, shows only there). Never imports torch: a step that did not
+    load it has no GPU memory to report."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return (f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, reserved "
+            f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB; device in use {(total - free) / 2**30:.2f} of "
+            f"{total / 2**30:.2f} GiB")

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import PACKAGES
+from replaynoise import models
 from replaynoise.models import (
     PACKAGED_MODELS,
     assemble_gguf,
@@ -140,6 +141,20 @@ def test_edited_local_weights_are_refused_when_the_prepared_model_loads(smollm2_
         model_weights_dir(tmp_path / "prepared")
     with pytest.raises(ChecksumError):
         load_model(tmp_path / "prepared", "bfloat16")
+
+
+def test_unchanged_local_weights_are_not_hashed_again_and_touched_ones_are(smollm2_dir, tmp_path, monkeypatch):
+    """Every job checks a user's weights; a 7B model's 15 GB hashed in each one was most of its start-up. An
+    unchanged stamp skips the hash; a file whose stamp moved (here a touch: same bytes) is hashed, and passes."""
+    source = linked_model(smollm2_dir, tmp_path / "mine")
+    prepare_model(str(source), "bfloat16", tmp_path / "prepared", tmp_path / "cache")
+    hashed = []
+    real = models.check_sha256
+    monkeypatch.setattr(models, "check_sha256", lambda path, *a, **k: (hashed.append(path), real(path, *a, **k)))
+    assert model_weights_dir(tmp_path / "prepared") == source and hashed == []
+    os.utime(source / "model.safetensors")
+    assert model_weights_dir(tmp_path / "prepared") == source
+    assert hashed == [source / "model.safetensors"]
 
 
 def test_local_model_with_zero_filled_weights_is_refused_when_prepared(smollm2_dir, tmp_path):

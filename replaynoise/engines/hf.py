@@ -411,9 +411,12 @@ class HFEngine(HFRollouts):
                 if step_fn(last):
                     return last
         with self.phases("decode"):
+            ran = 0
             for last in todo:
+                ran += 1
                 if step_fn(last):
                     break
+        self.phases.count("decode", ran)
         return last
 
     def _continue_static(self, requests: list[ContinuationRequest], states: list[PrefixState],

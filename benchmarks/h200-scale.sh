@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 33's measurement on a GPU machine: random-weight 7B-shape models made on the GPU, then the workflow's own
+# rules on benchmarks/configs/scale-7b.yaml, the HF engine and stock vLLM at the paper's settings first, vLLM at
+# its own H200 defaults (exact pass) last, one job on the GPU at a time; then the per-rule report. Run it from the
+# project's root with snakemake, vLLM and the packages on the path (the lent H200: staged with
+# ../shared/tools/gpu-stage, then `source /root/stage/env.sh`, which sets $WORK and links resources/ there):
+#   bash benchmarks/h200-scale.sh OUT_DIR [TIMEOUT_S]
+# Interrupted by TIMEOUT_S, a second call resumes (the models are kept, Snakemake keeps finished jobs, the passes
+# keep finished batches). Writes OUT_DIR/h200-scale-7b.{json,md} and OUT_DIR/logs.tgz.
+set -uo pipefail
+out=$1 limit=${2:-3600}
+cfg=benchmarks/configs/scale-7b.yaml
+export WORK=${WORK:-$PWD/benchmarks/out/scale}
+end=$((SECONDS + limit))
+mkdir -p "$out" "$WORK"
+[ -e "$WORK/resources" ] || ln -sfn "$PWD/resources" "$WORK/resources"
+PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python benchmarks/scale.py make-models "$WORK/shapes" \
+    --packages "$WORK/resources/packages" || exit 1
+pass() { echo "results/passes/$1/$2/000.parquet"; }
+first="$(for c in q7b-hf q7b-vllm; do for p in exact replica refeed; do pass $c $p; done; done)"
+for targets in "$first" "$(pass q7b-vllm-s1024 exact)"; do
+    left=$((end - SECONDS - 30))
+    [ "$left" -gt 60 ] || { echo "no time left for: $targets"; break; }
+    TARGETS=$(echo $targets) bash benchmarks/h200-pipeline.sh "$cfg" "$left"
+done
+PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python benchmarks/scale.py report "$WORK" --configfile "$cfg" \
+    --out "$out/h200-scale-7b.json" > "$out/h200-scale-7b.md"
+cat "$out/h200-scale-7b.md"
+tar -C "$WORK" -czf "$out/logs.tgz" results/logs results/benchmarks

@@ -1,0 +1,64 @@
+"""The benchmarks read what the library logs: the two must agree on the lines' form, or a GPU lease measures
+nothing. And the roofline arithmetic of benchmarks/scale.py, checked against a published parameter count."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from replaynoise.progress import Phases, TokenProgress
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import pipeline  # noqa: E402
+import scale  # noqa: E402
+
+
+def test_the_benchmark_reads_the_loop_lines_the_library_writes(tmp_path, capsys):
+    phases = Phases()
+    with phases("decode"):
+        pass
+    phases.seconds = {"compile and capture": 1.25, "decode": 12.5}
+    phases.count("decode", 400)
+    phases.count("decode", 112)
+    bar = TokenProgress(1024, "exact q7b")
+    bar.rows(1024, 409600)
+    bar.close(phases)
+    print("engine start-up by phase: process before the engine 3.10 s, imports 2.00 s, weights check 0.01 s, "
+          "model load 6.50 s, engine build 0.20 s", file=sys.stderr)
+    log = tmp_path / "job.log"
+    log.write_text(capsys.readouterr().err)
+    assert pipeline.phases(log) == {"compile and capture": 1.25, "decode": 12.5}
+    assert pipeline.steps(log) == {"decode": 512}
+    assert pipeline.phases(log, "engine start-up by phase: ") == {
+        "process before the engine": 3.1, "imports": 2.0, "weights check": 0.01, "model load": 6.5,
+        "engine build": 0.2}
+    assert pipeline.loop_seconds(log) is not None
+
+
+def test_the_7b_shape_has_the_published_parameter_count():
+    costs = scale.model_costs({**scale.SHAPES["qwen2.5-7b"], "vocab_size": scale.VOCAB})
+    # Qwen2.5-7B: 7.61 B parameters (its model card), 6.53 B without the embeddings; our count leaves out the
+    # attention biases (0.2 M)
+    assert costs["params"] == pytest.approx(7.61e9, rel=2e-3)
+    assert costs["linear_params"] - 3584 * scale.VOCAB == pytest.approx(6.53e9, rel=2e-3)
+    # 57 KB of bf16 KV per token of context (28 layers x 4 KV heads x 128 x 2 x 2 bytes)
+    assert costs["kv_bytes_per_token"] == 57344
+
+
+def test_the_roofline_fractions_follow_from_the_logged_decode(tmp_path):
+    costs = scale.model_costs({**scale.SHAPES["qwen2.5-7b"], "vocab_size": scale.VOCAB})
+    (tmp_path / "results" / "pivots").mkdir(parents=True)
+    pl.DataFrame({"prefix_len": [99, 99]}).write_parquet(tmp_path / "results" / "pivots" / "c.parquet")
+    config = {"configs": {"c": {"engine": "hf"}}, "replay": {"batch_size": 1024}, "rollouts": {"batch_size": 64}}
+    row = {"rule": "replay_exact", "config": "c", "rows": 2048, "generated_tokens": 2048 * 400,
+           "phases": {"decode": 40.0}, "steps": {"decode": 800}, "loop_tokens_per_s": 2048 * 400 / 41}
+    got = scale.roofline(tmp_path, row, config, costs)
+    assert got["mean_context"] == 300 and got["rows_per_step"] == 1024
+    assert got["decode_ms_per_step"] == pytest.approx(50.0)
+    flop = costs["flop_per_token"] + costs["attention_flop_per_context_token"] * 300
+    assert got["compute_fraction"] == pytest.approx(2048 * 400 / 40 * flop / scale.PEAK_FLOPS)
+    floor = (costs["weight_bytes"] + 1024 * 300 * costs["kv_bytes_per_token"]) / scale.PEAK_BYTES
+    assert got["memory_fraction"] == pytest.approx(floor / 0.05)
