@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import shutil
 import sys
 import tempfile
+from importlib.metadata import version as package_version
 from pathlib import Path
 
 import polars as pl
@@ -34,6 +36,7 @@ from pipeline import rows_for
 from replaynoise.config import validate_config
 from replaynoise.io import read_json, write_json
 from replaynoise.models import prepare_model
+from replaynoise.provenance import git_commit, hardware
 
 #: The measured peaks of the lent H200 (bf16 dense matmul, HBM read), the denominators of every fraction below.
 PEAK_FLOPS = 790e12
@@ -140,7 +143,8 @@ def disk_per_rollout(run: Path, cfg: str) -> float | None:
     table = run / "results" / "rollouts" / cfg / "rollouts.parquet"
     if not kv.is_dir() or not table.is_file():
         return None
-    files = [p for p in kv.rglob("*.safetensors")]
+    # HF stores each rollout's KV (.safetensors), vLLM the recipe that regenerates it (.json)
+    files = [p for p in kv.rglob("*") if p.is_file() and not p.name.startswith(".")]
     return sum(p.stat().st_size for p in files) / pl.read_parquet(table, columns=["problem_id"]).height
 
 
@@ -175,7 +179,7 @@ def projection(rows: list[dict], engine_of: dict, pivots: int = 3434, per_rollou
                        "continuation": continuation, "passes": passes}, "engines": out}
 
 
-def report(run: Path, configfile: Path, out: Path | None) -> dict:
+def report(run: Path, configfile: Path, out: Path | None, commit: str | None = None) -> dict:
     provenance = run / "results" / "provenance.json"
     if provenance.is_file():
         config = read_json(provenance)["config"]
@@ -192,7 +196,10 @@ def report(run: Path, configfile: Path, out: Path | None) -> dict:
         row.update(engine=config["configs"][row["config"]]["engine"], roofline=roofline(run, row, config, shapes[spec]),
                    fixed_cost=fixed_cost(row), disk_bytes_per_rollout=disk_per_rollout(run, row["config"]))
     engine_of = {c: s["engine"] for c, s in config["configs"].items()}
-    record = {"peaks": {"flops": PEAK_FLOPS, "bytes_per_s": PEAK_BYTES}, "models": shapes,
+    record = {"commit": commit, "hardware": hardware(),
+              "packages": {name: package_version(name) for name in ("torch", "transformers", "vllm")
+                           if importlib.util.find_spec(name)},
+              "peaks": {"flops": PEAK_FLOPS, "bytes_per_s": PEAK_BYTES}, "models": shapes,
               "vllm_settings": {c: s.get("vllm") for c, s in config["configs"].items() if s["engine"] == "vllm"},
               "rows": rows, "paper_design": projection(rows, engine_of)}
     print(table(rows))
@@ -229,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("run", type=Path)
     rep.add_argument("--configfile", type=Path, required=True)
     rep.add_argument("--out", type=Path, default=None)
+    rep.add_argument("--commit", default=None, help="the commit measured, where the code's folder is no git clone")
     args = ap.parse_args(argv)
     if args.command == "make-models":
         tokenizer_dir = args.dir / f"{TOKENIZER_MODEL}-tokenizer"
@@ -238,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes:
             make_model(shape, args.dir, tokenizer_dir, args.device)
     else:
-        report(args.run, args.configfile, args.out)
+        report(args.run, args.configfile, args.out, args.commit or git_commit(Path(__file__).parents[1]).get("commit"))
     return 0
 
 
