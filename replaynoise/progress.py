@@ -30,10 +30,6 @@ class TokenProgress:
         self.bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
         self.bar.update(n)
 
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / max(time.perf_counter() - self.start, 1e-9)
-
     def close(self, *phases: "Phases") -> None:
         """Close the bar and log one line a benchmark can read (benchmarks/pipeline.py): the generation rate of
         the loop itself, without the job's start-up (imports, model load, kernel compilation); with ``phases``,

@@ -146,9 +146,9 @@ class HFRollouts:
             stacked = stack_layers(cache_layers(cache))
             layers = [stacked[:, :, r:r + 1, :, longest - len(p):] for r, p in enumerate(prompts)]
         with self.phases("load states"):
-            # not compiled: a rollout job decodes one batch of a few dozen steps, and compiling the layer body
-            # cost 5.5-8.0 s per job on an H200 against 0.2 s of decode (run C, docs/performance.md). No pass
-            # needs the rollouts' kernels: exact resumes from the stored KV, whatever computed it.
+            # not compiled: a rollout job decodes one batch, and compiling the layer body costs seconds in every
+            # job, more than a short decode takes (docs/performance.md). No pass needs the rollouts' kernels:
+            # exact resumes from the stored KV, whatever computed it.
             decoder = self._decoder(n, bucket(longest + steps + 1), compiled=False)
             decoder.load(layers, [len(p) for p in prompts], list(range(n)), [r.seed for r in requests],
                          sampled[:, 0].tolist(), (sampling.temperature, sampling.top_p))
