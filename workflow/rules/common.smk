@@ -12,7 +12,7 @@ sys.path.insert(0, workflow.basedir)
 from replaynoise.analysis import POOL_KEYS  # noqa: E402
 from replaynoise.control_report import control_outputs  # noqa: E402
 from replaynoise.config import (  # noqa: E402
-    ConfigError, analysis_hash, check_config_file, overlay_adds_default_configs, platform_problems,
+    ConfigError, analysis_hash, check_config_file, job_gpus, overlay_adds_default_configs, platform_problems,
     validate_config,
 )
 from replaynoise.datasets import check_n_problems  # noqa: E402
@@ -195,7 +195,7 @@ def heavy(stage, key):
 
 def gpus_of(config_name):
     """GPUs a model job of this configuration holds (the cluster request and the local --resources gpu=N)."""
-    return config["resources"]["gpus"] if config["configs"][config_name]["device"].startswith("cuda") else 0
+    return job_gpus(config["configs"][config_name])
 
 
 def gpus(wildcards):
