@@ -51,7 +51,10 @@ def planned_jobs(workdir, config, *args) -> list[dict]:
             continue
         threads = re.search(r"^\s+threads: (\d+)$", block, re.M)
         values = dict(item.split("=", 1) for item in resources.group(1).split(", "))
-        jobs.append({"rule": head.group(1), "threads": int(threads.group(1)) if threads else 1, "resources": values})
+        wildcards = re.search(r"^\s+wildcards: (.+)$", block, re.M)
+        named = dict(item.split("=", 1) for item in wildcards.group(1).split(", ")) if wildcards else {}
+        jobs.append({"rule": head.group(1), "threads": int(threads.group(1)) if threads else 1, "resources": values,
+                     "wildcards": named})
     return jobs
 
 
@@ -71,22 +74,27 @@ def sbatch_line(job: dict) -> str:
 
 
 def test_gpu_configurations_ask_slurm_for_gpus_per_model_job(tmp_path):
-    config = {**TINY, "configs": {"tiny": {**TINY["configs"]["tiny"]},
-                                  "tiny-gpu": {**TINY["configs"]["tiny"], "device": "cuda"}},
-              "resources": {"shard_size": 2, "threads": 4, "mem_mb": 12000, "runtime": 90, "gpus": 2,
+    """A model job asks for the GPUs it holds: none on a CPU, one for the HF engine, its tensor parallelism for
+    vLLM (here 3 of the 3 that resources.gpus allows; SmolLM2's 9 heads split 3 ways)."""
+    tiny = TINY["configs"]["tiny"]
+    config = {**TINY, "configs": {"tiny": {**tiny}, "tiny-gpu": {**tiny, "device": "cuda"},
+                                  "tiny-tp": {**tiny, "device": "cuda", "engine": "vllm", "block_size": 16,
+                                              "vllm": {"tensor_parallel_size": 3}}},
+              "resources": {"shard_size": 2, "threads": 4, "mem_mb": 12000, "runtime": 90, "gpus": 3,
                             "rules": {"replay": {"runtime": 45}}}}
     # a dry run caps threads at --cores (1 by default); a real cluster run has no cap, which 64 stands in for
     jobs = planned_jobs(tmp_path, config, "--executor", "slurm", "--jobs", "10", "--cores", "64")
     model_jobs = [j for j in jobs if j["rule"] in MODEL_RULES]
-    assert len(model_jobs) == 2 * 2 * len(MODEL_RULES)  # two configurations, two shards each
+    assert len(model_jobs) == 3 * 2 * len(MODEL_RULES)  # three configurations, two shards each
+    held = {"tiny": "0", "tiny-gpu": "1", "tiny-tp": "3"}
     for job in model_jobs:
         line = sbatch_line(job)
         assert "--cpus-per-task=4" in line and "--mem 12000" in line, line
         assert f"-t {45 if job['rule'].startswith('replay_') else 90}" in line, line
         gpu = job["resources"]["gpu"]
-        assert gpu in ("0", "2")
-        assert ("--gpus=2" in line) == (gpu == "2"), line
-    assert {j["resources"]["gpu"] for j in model_jobs} == {"0", "2"}
+        assert gpu == held[job["wildcards"]["config"]], job
+        assert ("--gpus=" in line) == (gpu != "0") and (gpu == "0" or f"--gpus={gpu}" in line), line
+    assert {j["resources"]["gpu"] for j in model_jobs} == {"0", "1", "3"}
 
 
 @pytest.mark.slow
