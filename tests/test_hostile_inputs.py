@@ -193,6 +193,24 @@ def test_the_context_is_the_smallest_the_configuration_sets(tmp_path):
     assert models.engine_context({"model": str(tmp_path)}) is None
 
 
+def test_a_continuation_past_the_context_is_refused_by_pivot_and_key(tmp_path):
+    """Pivot p/r0@1's prefix is 3 tokens (prompt 2, response 1), p/r0@2's 4; each continuation is the branch token
+    and 4 more: 8 and 9 positions."""
+    engine = CountingEngine()
+    with pytest.raises(ValueError) as err:
+        one_pass(engine, tmp_path / "a", context=8)
+    message = str(err.value)
+    assert ("configuration c, pass refeed: 1 pivot(s) leave their continuations too few of the 8-position context"
+            in message)
+    assert "pivot p/r0@2 of problem p: 4 prefix tokens + 1 branch token + 4 (replay.max_new_tokens) = 9" in message
+    assert "p/r0@1" not in message and "lower replay.max_new_tokens to 3 or less" in message
+    assert engine.batches == 0  # refused before any continuation
+    with pytest.raises(ValueError, match=r"2 pivot\(s\).*p/r0@1 of problem p: 3 prefix tokens \+ 1 branch token \+ 6 "
+                                         r"\(replay.probe_tokens\) = 10.*lower replay.probe_tokens to 4 or less"):
+        one_pass(CountingEngine(), tmp_path / "b", context=9, probe_tokens=6)
+    assert one_pass(CountingEngine(), tmp_path / "c", context=9).equals(one_pass(CountingEngine(), tmp_path / "d"))
+
+
 # --------------------------------------------------------------------------------------------- 5. n_boot minimum
 
 @pytest.mark.parametrize("n_boot", [-1, 0, 1, 2, 19])
@@ -243,7 +261,7 @@ class CountingEngine:
                                    next_digest="d") for req in requests]
 
 
-def one_pass(engine, work_dir: Path) -> pl.DataFrame:
+def one_pass(engine, work_dir: Path, **kwargs) -> pl.DataFrame:
     rollout_rows = pl.DataFrame({"problem_id": ["p"], "rollout": [0], "prompt_ids": [[1, 2]],
                                  "response_ids": [[3, 4, 5]], "kv_file": [None], "kv_sha256": [None],
                                  "logits_digests": [["a", "b", "c"]], "gold": ["4"]},
@@ -252,7 +270,7 @@ def one_pass(engine, work_dir: Path) -> pl.DataFrame:
                            "t": [1, 2], "orig_token": [4, 5], "sub_token": [6, 6]})
     return replay.run_pass(engine, pivots, rollout_rows, pass_name="refeed", config_name="c", seed=1, k=2,
                            sampling=SamplingSettings(0.7, 1.0, 4), batch_size=3, work_dir=work_dir,
-                           scratch_key="key")
+                           scratch_key="key", **kwargs)
 
 
 def test_a_truncated_pass_batch_is_named_and_redone_to_the_same_result(tmp_path, capsys):
