@@ -136,6 +136,17 @@ def attention_heads(spec: str) -> int | None:
     return config.get("num_attention_heads") if isinstance(config.get("num_attention_heads"), int) else None
 
 
+def engine_context(settings: dict) -> int | None:
+    """The positions a configuration's engine holds: the model's, or fewer where the configuration caps them
+    (``vllm.max_model_len``, the invariant decoder's ``invariant_context``). HF runs on past a model's positions
+    and its answer is graded as any other, so the steps that feed a model check their requests against this
+    first; None where nothing says."""
+    limits = [context_length(settings["model"]), (settings.get("vllm") or {}).get("max_model_len"),
+              settings.get("invariant_context")]
+    known = [n for n in limits if n is not None]
+    return min(known) if known else None
+
+
 def model_source_files(spec: str) -> list[Path]:
     """The files a local model directory is made of (none for a packaged model, whose pinned wheels are checked
     by sha256): the workflow makes them inputs, so an edit to any of them reruns what the model made."""

@@ -122,16 +122,54 @@ def make_schedule(n_rows: int, batch_size: int, seed: int) -> list[list[int]]:
     return [sorted(int(i) for i in order[s:s + batch_size]) for s in range(0, n_rows, batch_size)]
 
 
+#: Pivots a message names one by one; the rest it counts.
+NAMED = 5
+
+
+def check_continuation_room(units: Sequence[tuple], pivots: pl.DataFrame, *, context: int | None, config_name: str,
+                            pass_name: str) -> None:
+    """Refuse, before any continuation, the pivots whose prefix (prompt and response up to the pivot), branch token
+    and continuation budget run past ``context``: the rollout step checked only the prompt and the rollout, and
+    a continuation past the model's positions would still be graded. ``units`` are ``run_pass``'s (kind,
+    requests, sampling, schedule seed); None: the context is unknown, nothing to check."""
+    if context is None:
+        return
+    over: dict[str, tuple[int, int, str]] = {}
+    for kind, requests, sampling, _ in units:
+        key = "replay.probe_tokens" if kind == "probe" else "replay.max_new_tokens"
+        for req in requests:
+            prefix = len(req.text_prefix_ids if req.text_prefix_ids is not None else req.prefix_ids)
+            if prefix + 1 + sampling.max_new_tokens > context and req.pivot_id not in over:
+                over[req.pivot_id] = (prefix, sampling.max_new_tokens, key)
+    if not over:
+        return
+    problem_of = dict(zip(pivots["pivot_id"], pivots["problem_id"]))
+    named = [f"pivot {pid} of problem {problem_of[pid]}: {prefix} prefix tokens + 1 branch token + {budget} "
+             f"({key}) = {prefix + 1 + budget}" for pid, (prefix, budget, key) in list(over.items())[:NAMED]]
+    more = [f"and {len(over) - NAMED} more"] if len(over) > NAMED else []
+    room = context - 1 - max(prefix for prefix, _, _ in over.values())
+    keys = " and ".join(sorted({key for _, _, key in over.values()}))
+    fixes = ([f"lower {keys} to {room} or less"] if room > 0 else []) + [
+        f"raise the context (configs.{config_name}.vllm.max_model_len or invariant_context where set, else a model "
+        "with more positions)", "shorten or remove these problems' questions"]
+    raise ValueError(
+        f"configuration {config_name}, pass {pass_name}: {len(over)} pivot(s) leave their continuations too few of "
+        f"the {context}-position context (the prompt and the response up to the pivot, the branch token and the "
+        "continuation budget together): " + "; ".join(named + more) + ". Either " + ", or ".join(fixes))
+
+
 def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: str, config_name: str,
              seed: int, k: int, sampling: SamplingSettings, batch_size: int, work_dir: Path,
              shard: tuple[int, int] = (0, 1), kv_dirs: Sequence[Path] | None = None, probe_tokens: int = 0,
-             scratch_key: str = "", sample_sizes: Mapping[str, int] | None = None) -> pl.DataFrame:
+             scratch_key: str = "", sample_sizes: Mapping[str, int] | None = None,
+             context: int | None = None) -> pl.DataFrame:
     """Run (or resume) one pass, or shard ``(index, count)`` of it; returns one graded row per continuation
     (and, with ``probe_tokens``, one greedy probe row per branch, k = -1, that ``gather`` folds in).
 
     The schedule is always that of the whole pass (``replaynoise.shards``), so sharding never changes a batch.
     A pass whose spec fixes its batch rows (``serial``: 1) runs so whatever ``batch_size`` says; one whose spec
     names a sample key runs on a seeded sample of the pivots of the size ``sample_sizes`` gives under that key.
+    Every request must fit ``context`` (``models.engine_context``; ``check_continuation_room``).
     """
     spec = pass_spec(pass_name)
     if spec.sample_key is not None:
@@ -151,6 +189,7 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
     if probe_tokens:
         units.append(("probe", probe_requests(requests), SamplingSettings(0.0, 1.0, probe_tokens),
                       schedule_seed(seed, config_name, f"{layout}:probe")))
+    check_continuation_room(units, pivots, context=context, config_name=config_name, pass_name=pass_name)
     todo = []
     for kind, reqs, samp, sseed in units:
         all_batches = make_schedule(len(reqs), batch_size, sseed)

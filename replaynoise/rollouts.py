@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import polars as pl
 
+from replaynoise.datasets import read_problems
 from replaynoise.grading import extract_answer, is_correct
 from replaynoise.engines.base import Engine, Rollout, RolloutRequest, SamplingSettings
 from replaynoise.seeds import derive_seed
@@ -23,6 +26,11 @@ from replaynoise.progress import TokenProgress
 from replaynoise.io import intact_scratch, keyed_scratch, write_parquet
 
 PROMPT_STYLES = ("chat", "plain")
+#: What a problem whose prompt leaves its rollout too few of the context's positions gets (rollouts.long_prompts):
+#: the step refuses before any generation, or leaves it out and counts it in the log.
+LONG_PROMPTS = ("refuse", "skip")
+#: Problems a message names one by one; the rest it counts.
+NAMED = 5
 _LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -44,6 +52,58 @@ def prompt_ids(tokenizer, question: str, style: str, instruction: str, shots: li
         examples = "".join(f"Question: {ask(shot['question'])}\nAnswer: {shot['answer']}\n\n" for shot in shots)
         return list(tokenizer(f"{examples}Question: {ask(question)}\nAnswer:", add_special_tokens=True)["input_ids"])
     raise ValueError(f"prompt.style must be one of {PROMPT_STYLES}, got {style!r}")
+
+
+def overlong_prompts(prompts: Mapping[str, Sequence[int]], budget: int, context: int | None) -> dict[str, int]:
+    """{problem_id: prompt tokens} of the prompts with fewer than ``budget`` positions of ``context`` left after
+    them: a model run past its positions still answers, and the answer is graded. None where the context is
+    unknown."""
+    if context is None:
+        return {}
+    return {pid: len(ids) for pid, ids in prompts.items() if len(ids) + budget > context}
+
+
+def problem_locations(over: Mapping[str, int], problems: pl.DataFrame, dataset: Mapping | None) -> list[str]:
+    """``file:line: problem <id>: <n> prompt tokens`` for the first ``NAMED`` of ``over`` and a count of the rest.
+    The dataset (``dataset``: source, path, cache) is read again only here, when there is something to name: the
+    step would otherwise depend on it as well as on the problems sampled from it; a dataset edited or gone
+    since then leaves the row the problem was sampled from."""
+    try:
+        where = read_problems(dataset["source"], dataset["path"], Path(dataset["cache"])).where if dataset else {}
+    except (OSError, ValueError, RuntimeError):  # gone, edited, or its package no longer cached
+        where = {}
+    rows = dict(zip(problems["problem_id"], problems["row"]))
+    named = [f"{where.get(pid, f'dataset row {rows.get(pid)}')}: problem {pid}: {n} prompt tokens"
+             for pid, n in list(over.items())[:NAMED]]
+    return named + ([f"and {len(over) - NAMED} more"] if len(over) > NAMED else [])
+
+
+def fit_context(prompts: Mapping[str, Sequence[int]], problems: pl.DataFrame, *, config_name: str, budget: int,
+                context: int | None, long_prompts: str = "refuse", dataset: Mapping | None = None,
+                own: set[str] | frozenset = frozenset()) -> set[str]:
+    """The problems to leave out: none, or with ``long_prompts`` "skip" those whose prompt plus the rollout budget
+    do not fit ``context`` (counted in the log for the problems of ``own``); with "refuse" such a prompt stops the
+    step here, before any generation, naming each problem by file and line."""
+    if long_prompts not in LONG_PROMPTS:
+        raise ValueError(f"rollouts.long_prompts must be one of {LONG_PROMPTS}, got {long_prompts!r}")
+    over = overlong_prompts(prompts, budget, context)
+    if not over:
+        return set()
+    past = (f"and their {budget} rollout tokens (configs.{config_name}.max_new_tokens) run past its {context}-position "
+            "context")
+    if long_prompts == "skip":
+        mine = {pid: n for pid, n in over.items() if pid in own}
+        if mine:
+            print(f"configuration {config_name}: skipped {len(mine)} of {len(own)} problems of this shard, whose "
+                  f"prompts {past} (rollouts.long_prompts: skip): "
+                  + "; ".join(problem_locations(mine, problems, dataset)), file=sys.stderr)
+        return set(over)
+    raise ValueError(
+        f"configuration {config_name}: {len(over)} prompt(s) {past}: "
+        + "; ".join(problem_locations(over, problems, dataset))
+        + f". Shorten or remove these questions, lower configs.{config_name}.max_new_tokens, raise the context "
+        f"(configs.{config_name}.vllm.max_model_len or invariant_context where set, else a model with more "
+        "positions), or set rollouts.long_prompts: skip to leave such problems out with a count in the log")
 
 
 def char_offsets(tokenizer, ids: list[int]) -> list[int]:
@@ -89,12 +149,17 @@ def rollout_batches(problem_ids: list[str], per_problem: int, batch_size: int) -
 def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: int, sampling: SamplingSettings,
              style: str, instruction: str, shots: list[dict] = (), rules: PivotRules, kv_dir: Path,
              work_dir: Path, per_problem: int = 1, batch_size: int = 1, scratch_key: str = "",
-             mine: range | None = None) -> pl.DataFrame:
+             mine: range | None = None, context: int | None = None, long_prompts: str = "refuse",
+             dataset: Mapping | None = None) -> pl.DataFrame:
     """Generate (or resume) the rollouts of problems ``mine`` (rows of ``problems``; default all), ``per_problem``
     per problem; KV files end in ``kv_dir``, each kept as far as the rollout's chosen pivots need it.
 
     Batches are cut from the whole problem list, whatever the shard, so the shard size never changes a batch: a
-    batch that straddles two shards is generated in both, and each keeps its own rows."""
+    batch that straddles two shards is generated in both, and each keeps its own rows.
+
+    Before any generation every prompt is measured as the engine receives it against ``context`` (the engine's
+    positions, ``models.engine_context``) less the rollout budget: ``fit_context`` refuses, naming each problem
+    by its place in ``dataset``, or leaves them out."""
     tokenizer = engine.tokenizer
     work_dir = keyed_scratch(work_dir, scratch_key)
     parts, work_kv = work_dir / "records", work_dir / "kv"
@@ -103,10 +168,18 @@ def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: 
     ids = problems["problem_id"].to_list()
     own = set(ids if mine is None else ids[mine.start:mine.stop])
     batches = {b: batch for b, batch in enumerate(rollout_batches(ids, per_problem, batch_size)) if own & set(batch)}
+    by_id = {row["problem_id"]: row for row in problems.iter_rows(named=True)}
+    prompts = {pid: tuple(prompt_ids(tokenizer, by_id[pid]["question"], style, instruction, shots))
+               for batch in batches.values() for pid in batch}
+    left_out = fit_context(prompts, problems, config_name=config_name, budget=sampling.max_new_tokens,
+                           context=context, long_prompts=long_prompts, dataset=dataset, own=own)
+    if left_out:  # each step that runs a batch leaves out the same problems of it, so shards still agree
+        own -= left_out
+        kept = {b: [pid for pid in batch if pid not in left_out] for b, batch in batches.items()}
+        batches = {b: batch for b, batch in kept.items() if own & set(batch)}
     done = {b for b in batches if _resumable(parts / f"batch_{b:05d}.parquet", work_kv)}
     progress = TokenProgress(len(own) * per_problem, f"rollouts {config_name}",
                              initial=sum(len(own & set(batches[b])) for b in done) * per_problem)
-    by_id = {row["problem_id"]: row for row in problems.iter_rows(named=True)}
     special = set(tokenizer.all_special_ids) | engine.stop_ids  # a stop token ends a response as EOS does
 
     for b, batch in batches.items():
@@ -114,9 +187,8 @@ def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: 
             continue
         requests = []
         for pid in batch:
-            prompt = tuple(prompt_ids(tokenizer, by_id[pid]["question"], style, instruction, shots))
-            requests += [RolloutRequest(pid, prompt, derive_seed(seed, config_name, "rollout", pid, r), rollout=r)
-                         for r in range(per_problem)]
+            requests += [RolloutRequest(pid, prompts[pid], derive_seed(seed, config_name, "rollout", pid, r),
+                                        rollout=r) for r in range(per_problem)]
         spans = {}  # the answer span, computed once: keep_len needs it before the record does
 
         def keep_len(r: Rollout) -> int:
@@ -143,7 +215,9 @@ def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: 
         progress.rows(len(records), sum(len(r["response_ids"]) for r in records))
     progress.close(engine.phases)
 
-    frame = pl.concat([pl.read_parquet(parts / f"batch_{b:05d}.parquet") for b in batches], how="diagonal_relaxed")
+    # a shard whose every problem was left out (rollouts.long_prompts: skip) has no rows, and no columns either
+    frame = pl.concat([pl.read_parquet(parts / f"batch_{b:05d}.parquet") for b in batches],
+                      how="diagonal_relaxed") if batches else pl.DataFrame()
     # Linked (or copied), not moved: the scratch copy must survive until the step's outputs are all in place.
     if Path(kv_dir).exists():
         shutil.rmtree(kv_dir)
@@ -167,6 +241,9 @@ def gather(shards: list[pl.DataFrame]) -> pl.DataFrame:
     passes find each file again among the shard folders they are given (``replay.kv_locations``).
     """
     frame = pl.concat(shards, how="diagonal_relaxed")
+    if "problem_id" not in frame.columns:
+        raise ValueError(f"none of the {len(shards)} rollout shards has a rollout: every problem's prompt was left "
+                         "out as past the context (rollouts.long_prompts: skip; each shard's log names them)")
     keys = frame.select("problem_id", "rollout")
     duplicated = keys.filter(keys.is_duplicated())["problem_id"].unique().to_list()
     if duplicated:

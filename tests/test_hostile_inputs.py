@@ -1,5 +1,5 @@
 """Inputs a hostile or careless user can give (issue 37): ids that would become paths, results lost between runs,
-inputs edited mid-run, settings that can give no result, damaged scratch, a rebuild
+inputs edited mid-run, prompts past the context, settings that can give no result, damaged scratch, a rebuild
 into its own reference. Each is refused by name before it can do harm, or repaired, and the embedded default's
 results do not change.
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,13 +21,14 @@ import yaml
 
 from conftest import REPO, SNAKEMAKE, TINY, clone_run, planned_rules, seed_model, snakemake, with_setting
 from replaynoise import io as rio
-from replaynoise import reanalyze, reference, replay, rollouts
+from replaynoise import models, reanalyze, reference, replay, rollouts
 from replaynoise.config import (
     ConfigError, analysis_hash, overlay_adds_default_configs, platform_problems, validate_config,
 )
 from replaynoise.datasets import load_problems, read_problems
-from replaynoise.engines.base import ContinuationResult, SamplingSettings
+from replaynoise.engines.base import ContinuationResult, Rollout, SamplingSettings
 from replaynoise.io import file_in, intact_scratch, read_json, sha256_file
+from replaynoise.pivots import PivotRules
 from replaynoise.progress import Phases
 from replaynoise.provenance import input_checksums, verify_inputs
 
@@ -82,6 +84,133 @@ def test_provenance_records_the_dataset_as_the_sampling_step_read_it(tmp_path):
     assert any(str(data) in line for line in verify_inputs(provenance))
 
 
+# --------------------------------------------------------------------------------- 4. prompts past the context
+
+class WordTokenizer:
+    """One token per word (prompt.style plain): a prompt's length is known without a model."""
+
+    all_special_ids: list[int] = []
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": list(range(len(text.split())))}
+
+    def decode(self, ids, **_):
+        return " ".join(map(str, ids))
+
+
+class RecordingEngine:
+    """Answers every rollout with "2" and records the problems it was asked for: enough to see what reached it."""
+
+    name = "recording"
+    stop_ids: set[int] = set()
+    tokenizer = WordTokenizer()
+
+    def __init__(self):
+        self.phases, self.asked = Phases(), []
+
+    def generate_rollouts(self, requests, sampling, kv_dir, keep_len):
+        self.asked += [req.problem_id for req in requests]
+        return [Rollout(problem_id=req.problem_id, prompt_ids=list(req.prompt_ids), response_ids=[2],
+                        topk_ids=[[2, 3]], topk_logprobs=[[-0.1, -2.0]], logits_digests=["d"], finish_reason="eos",
+                        rollout=req.rollout) for req in requests]
+
+
+def long_dataset(tmp_path: Path) -> tuple[Path, pl.DataFrame]:
+    """Four problems, the third (row 2, on line 4: the file starts with a blank line) over 500 words long."""
+    rows = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(4)]
+    rows[2]["question"] = "long " * 500 + "What is 2 plus 1?"
+    data = tmp_path / "mine.jsonl"
+    data.write_text("\n" + "".join(json.dumps(row) + "\n" for row in rows))
+    return data, load_problems("file", str(data), tmp_path)
+
+
+def rollouts_of(engine, problems, tmp_path: Path, name: str, **kwargs) -> pl.DataFrame:
+    return rollouts.generate(engine, problems, config_name="tiny", seed=1, sampling=SamplingSettings(0.7, 1.0, 24),
+                             style="plain", instruction="", rules=PivotRules(max_margin=0.3, per_rollout=1),
+                             kv_dir=tmp_path / name / "kv", work_dir=tmp_path / name / "work", context=100,
+                             **kwargs)
+
+
+def test_a_prompt_past_the_context_is_refused_by_file_and_line_before_any_generation(tmp_path):
+    data, problems = long_dataset(tmp_path)
+    dataset = {"source": "file", "path": str(data), "cache": str(tmp_path)}
+    engine = RecordingEngine()
+    with pytest.raises(ValueError) as err:
+        rollouts_of(engine, problems, tmp_path, "refused", dataset=dataset)
+    message = str(err.value)
+    assert f"{data}:4: problem mine-2: 507 prompt tokens" in message
+    for part in ("configuration tiny: 1 prompt(s) and their 24 rollout tokens (configs.tiny.max_new_tokens) run "
+                 "past its 100-position context", "Shorten or remove", "configs.tiny.vllm.max_model_len",
+                 "rollouts.long_prompts: skip"):
+        assert part in message, part
+    assert engine.asked == []  # refused before any generation
+    # exactly at the edge: a prompt of 76 tokens and 24 rollout tokens fill 100 positions
+    assert rollouts.overlong_prompts({"a": range(76), "b": range(77)}, 24, 100) == {"b": 77}
+    assert rollouts.overlong_prompts({"b": range(10**4)}, 24, None) == {}  # a context nobody states: no check
+    data.unlink()  # gone since sampling: the problem is still named, by its row
+    with pytest.raises(ValueError, match="dataset row 2: problem mine-2: 507 prompt tokens"):
+        rollouts_of(RecordingEngine(), problems, tmp_path, "gone", dataset=dataset)
+
+
+def test_long_prompts_skip_leaves_them_out_with_a_count_and_shards_still_agree(tmp_path, capsys):
+    data, problems = long_dataset(tmp_path)
+    dataset = {"source": "file", "path": str(data), "cache": str(tmp_path)}
+    engine = RecordingEngine()
+    whole = rollouts_of(engine, problems, tmp_path, "whole", long_prompts="skip", dataset=dataset, batch_size=2)
+    assert whole["problem_id"].to_list() == ["mine-0", "mine-1", "mine-3"]
+    assert "mine-2" not in engine.asked
+    assert (f"configuration tiny: skipped 1 of 4 problems of this shard, whose prompts and their 24 rollout tokens "
+            f"(configs.tiny.max_new_tokens) run past its 100-position context (rollouts.long_prompts: skip): "
+            f"{data}:4: problem mine-2: 507 prompt tokens") in capsys.readouterr().err
+    # shards [0, 2] and [3]: batch [mine-2, mine-3] straddles them; both leave mine-2 out, its own shard counts it
+    first = rollouts_of(RecordingEngine(), problems, tmp_path, "s0", long_prompts="skip", dataset=dataset,
+                        batch_size=2, mine=range(0, 3))
+    assert "skipped 1 of 3 problems" in capsys.readouterr().err
+    second = rollouts_of(RecordingEngine(), problems, tmp_path, "s1", long_prompts="skip", dataset=dataset,
+                         batch_size=2, mine=range(3, 4))
+    assert "skipped" not in capsys.readouterr().err
+    assert rollouts.gather([first, second]).equals(rollouts.gather([whole]))
+    with pytest.raises(ValueError, match="none of the 1 rollout shards has a rollout"):
+        rollouts.gather([rollouts_of(RecordingEngine(), problems, tmp_path, "none", long_prompts="skip",
+                                     batch_size=2, mine=range(2, 3))])
+    with pytest.raises(ValueError, match="rollouts.long_prompts must be one of .*'truncate'"):
+        rollouts_of(RecordingEngine(), problems, tmp_path, "bad", long_prompts="truncate")
+
+
+def test_long_prompts_takes_refuse_or_skip_only_and_leaves_the_default_as_it_was():
+    assert "long_prompts" not in validate_config(DEFAULT)["rollouts"]  # absent: the settings and hash unchanged
+    skip = validate_config(with_setting(DEFAULT, "rollouts.long_prompts", "skip"))
+    assert skip["rollouts"]["long_prompts"] == "skip"
+    with pytest.raises(ConfigError, match=r"rollouts\.long_prompts: 'truncate' is not allowed"):
+        validate_config(with_setting(DEFAULT, "rollouts.long_prompts", "truncate"))
+
+
+def test_the_context_is_the_smallest_the_configuration_sets(tmp_path):
+    assert models.engine_context({"model": "smollm2-135m"}) == 8192
+    assert models.engine_context({"model": "smollm2-135m", "vllm": {"max_model_len": 4096}}) == 4096
+    assert models.engine_context({"model": "smollm2-135m", "invariant_context": 1024}) == 1024
+    (tmp_path / "config.json").write_text("{}")  # a local model that does not say
+    assert models.engine_context({"model": str(tmp_path)}) is None
+
+
+def test_a_continuation_past_the_context_is_refused_by_pivot_and_key(tmp_path):
+    """Pivot p/r0@1's prefix is 3 tokens (prompt 2, response 1), p/r0@2's 4; each continuation is the branch token
+    and 4 more: 8 and 9 positions."""
+    engine = CountingEngine()
+    with pytest.raises(ValueError) as err:
+        one_pass(engine, tmp_path / "a", context=8)
+    message = str(err.value)
+    assert ("configuration c, pass refeed: 1 pivot(s) leave their continuations too few of the 8-position context"
+            in message)
+    assert "pivot p/r0@2 of problem p: 4 prefix tokens + 1 branch token + 4 (replay.max_new_tokens) = 9" in message
+    assert "p/r0@1" not in message and "lower replay.max_new_tokens to 3 or less" in message
+    assert engine.batches == 0  # refused before any continuation
+    with pytest.raises(ValueError, match=r"2 pivot\(s\).*p/r0@1 of problem p: 3 prefix tokens \+ 1 branch token \+ 6 "
+                                         r"\(replay.probe_tokens\) = 10.*lower replay.probe_tokens to 4 or less"):
+        one_pass(CountingEngine(), tmp_path / "b", context=9, probe_tokens=6)
+    assert one_pass(CountingEngine(), tmp_path / "c", context=9).equals(one_pass(CountingEngine(), tmp_path / "d"))
+
+
 # --------------------------------------------------------------------------------------------- 5. n_boot minimum
 
 @pytest.mark.parametrize("n_boot", [-1, 0, 1, 2, 19])
@@ -132,7 +261,7 @@ class CountingEngine:
                                    next_digest="d") for req in requests]
 
 
-def one_pass(engine, work_dir: Path) -> pl.DataFrame:
+def one_pass(engine, work_dir: Path, **kwargs) -> pl.DataFrame:
     rollout_rows = pl.DataFrame({"problem_id": ["p"], "rollout": [0], "prompt_ids": [[1, 2]],
                                  "response_ids": [[3, 4, 5]], "kv_file": [None], "kv_sha256": [None],
                                  "logits_digests": [["a", "b", "c"]], "gold": ["4"]},
@@ -141,7 +270,7 @@ def one_pass(engine, work_dir: Path) -> pl.DataFrame:
                            "t": [1, 2], "orig_token": [4, 5], "sub_token": [6, 6]})
     return replay.run_pass(engine, pivots, rollout_rows, pass_name="refeed", config_name="c", seed=1, k=2,
                            sampling=SamplingSettings(0.7, 1.0, 4), batch_size=3, work_dir=work_dir,
-                           scratch_key="key")
+                           scratch_key="key", **kwargs)
 
 
 def test_a_truncated_pass_batch_is_named_and_redone_to_the_same_result(tmp_path, capsys):
@@ -389,3 +518,26 @@ def test_the_sampling_step_records_the_digest_of_what_it_read(tmp_path, smollm2_
     snakemake(work, config, "results/problems/file-mine.parquet")
     assert read_json(work / "results" / "problems" / "file-mine.read.json") == {
         "path": str(data), "sha256": sha256_file(data)}
+
+
+@pytest.mark.slow
+def test_a_prompt_past_the_context_stops_the_rollout_step_by_file_and_line(tmp_path, smollm2_dir):
+    """A 9,000-word question on SmolLM2 (8,192 positions) ran for minutes and gave a graded answer; the rollout
+    step now stops before generating anything, or with rollouts.long_prompts: skip leaves it out and says so."""
+    rows = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(3)]
+    rows[1]["question"] = "word " * 9000 + "What is 1 plus 1?"
+    data = jsonl(tmp_path / "mine.jsonl", rows)
+    config = TINY
+    for key, value in {"dataset.source": "file", "dataset.path": str(data), "dataset.sample": "first"}.items():
+        config = with_setting(config, key, value)
+    work = tmp_path / "work"
+    seed_model(work, smollm2_dir)
+    target = "results/rollouts/tiny/rollouts.parquet"
+    assert snakemake(work, config, target, check=False).returncode != 0
+    log = (work / "results" / "logs" / "generate_rollouts" / "tiny.000.log").read_text()
+    assert re.search(rf"{re.escape(str(data))}:2: problem mine-1: \d{{4}} prompt tokens", log), log[-2000:]
+    assert "configuration tiny: 1 prompt(s) and their 24 rollout tokens" in log and "8192-position context" in log
+    skip = with_setting(config, "rollouts.long_prompts", "skip")
+    snakemake(work, skip, target)
+    assert pl.read_parquet(work / target)["problem_id"].unique(maintain_order=True).to_list() == ["mine-0", "mine-2"]
+    assert "skipped 1 of 2 problems" in (work / "results" / "logs" / "generate_rollouts" / "tiny.000.log").read_text()

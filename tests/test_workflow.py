@@ -65,8 +65,11 @@ def test_changing_a_figure_setting_reruns_only_figures(finished_run):
     assert rules <= {"figure_disagreement_vs_margin", "manifest", "cost_report", "all"}
 
 
-def test_changing_one_pass_setting_leaves_rollouts_alone(finished_run):
-    other = {**TINY, "replay": {**TINY["replay"], "batch_size": 8}}
+# max_new_tokens: the continuation budget, which the replay passes check against the context (a check in the
+# sampling or rollout step made them rerun when it changed)
+@pytest.mark.parametrize("setting", [{"batch_size": 8}, {"max_new_tokens": 8}])
+def test_changing_one_pass_setting_leaves_rollouts_alone(finished_run, setting):
+    other = {**TINY, "replay": {**TINY["replay"], **setting}}
     rules = planned_rules(finished_run, other)
     assert {"replay_exact", "replay_replica", "replay_refeed"} <= rules
     assert not rules & {"prepare_model", "sample_problems", "generate_rollouts", "select_pivots"}

@@ -13,6 +13,8 @@ rule generate_rollouts:
         prompt=config["prompt"],
         pivots=config["pivots"],
         rollouts=config["rollouts"],
+        # read only to name a problem whose prompt does not fit by its file and line
+        dataset=dict(source=config["dataset"]["source"], path=config["dataset"]["path"], cache=PACKAGE_DIR),
         topk=config["pivots"]["topk"],
         shard_size=config["resources"]["shard_size"],
         work=work_dir("{config}", "rollouts", "{shard}"),

@@ -9,6 +9,7 @@ from replaynoise import rollouts  # noqa: E402
 from replaynoise.engines import make_engine  # noqa: E402
 from replaynoise.engines.base import SamplingSettings  # noqa: E402
 from replaynoise.pivots import PivotRules  # noqa: E402
+from replaynoise.models import engine_context  # noqa: E402
 from replaynoise.io import read_parquet, remove_scratch, sha256_file, stable_hash, write_parquet  # noqa: E402
 from replaynoise.shards import problem_range, shard_index  # noqa: E402
 
@@ -23,6 +24,7 @@ frame = rollouts.generate(
     instruction=p.prompt["instruction"], shots=p.prompt.get("shots", []),
     rules=PivotRules.from_config(p.pivots, s["block_size"]),
     per_problem=p.rollouts["per_problem"], batch_size=p.rollouts["batch_size"], kv_dir=Path(snakemake.output.kv),
+    context=engine_context(s), long_prompts=p.rollouts.get("long_prompts", "refuse"), dataset=p.dataset,
     work_dir=Path(p.work), scratch_key=stable_hash([p.code, s, p.seed, p.prompt, p.pivots, p.rollouts, p.topk,
                                                     sha256_file(snakemake.input.problems),
                                                     shard["problem_id"].to_list()]))

@@ -8,6 +8,7 @@ log_to(snakemake.log[0])
 from replaynoise import replay  # noqa: E402
 from replaynoise.engines import make_engine  # noqa: E402
 from replaynoise.engines.base import SamplingSettings  # noqa: E402
+from replaynoise.models import engine_context  # noqa: E402
 from replaynoise.io import read_json, read_parquet, remove_scratch, sha256_file, stable_hash, write_parquet  # noqa: E402
 from replaynoise.shards import shard_index  # noqa: E402
 
@@ -23,6 +24,7 @@ frame = replay.run_pass(
     sampling=SamplingSettings(temperature, top_p, r["max_new_tokens"]), batch_size=r["batch_size"],
     work_dir=Path(p.work), shard=(shard_index(snakemake.wildcards.shard), p.n_shards),
     kv_dirs=[Path(d) for d in read_json(snakemake.input.kv)["folders"]], probe_tokens=r["probe_tokens"],
-    scratch_key=stable_hash([p.code, s, p.seed, r, p.topk, p.n_shards, inputs]), sample_sizes=r)
+    scratch_key=stable_hash([p.code, s, p.seed, r, p.topk, p.n_shards, inputs]), sample_sizes=r,
+    context=engine_context(s))
 write_parquet(frame, snakemake.output[0])
 remove_scratch(p.work)
