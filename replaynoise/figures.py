@@ -28,7 +28,7 @@ PDF_METADATA = {"CreationDate": None, "Producer": None, "Creator": None}
 NO_DATA = "no eligible pivots"
 #: The workflow's figures by what they are drawn from (each is ``plot_<name>``), named once for the rules and
 #: for a rebuild from a reference folder.
-FROM_COMPARISONS = ("disagreement", "kinds_of_change", "jaccard_sweep")
+FROM_COMPARISONS = ("disagreement", "kinds_of_change", "jaccard_sweep", "mismatch_flips")
 FROM_CREDIT = ("diff_histogram", "disagreement_vs_margin")
 
 
@@ -139,9 +139,44 @@ def plot_disagreement(results: Mapping[str, dict] | None, out_png: PathLike, out
                label=label, color=COLORS.get(key, f"C{i + 2}"))
     ax.set_xticks(x, [f"{c}\n(n={b['n']})" for c, b in blocks.items()], fontsize=8)
     ax.set_ylabel("% pivots whose estimate disagrees")
+    _finish(fig, ax, title, out_png, out_pdf)
+
+
+# ----------------------------------------------------------------------------- credit flips and mismatch
+
+def plot_mismatch_flips(results: Mapping[str, dict] | None, out_png: PathLike, out_pdf: PathLike,
+                        conditioning: str = "main") -> None:
+    """Credit flips against prefix mismatch: per configuration, the share of pivots whose estimate the re-feed
+    flips and the replica floor's, in bins of the pivot's re-feed k3_kl (``comparison.json → prefix_mismatch``),
+    with the AUC of k3_kl for the flip in the legend."""
+    title = f"Credit flips against prefix mismatch ({conditioning}, {_metric_of(results)} metric)"
+    links = {cfg: ((res or {}).get("prefix_mismatch") or {}).get("credit_link", {}).get(conditioning) or {}
+             for cfg, res in (results or {}).items()}
+    usable = {cfg: link for cfg, link in links.items() if link.get("available") and link.get("bins")}
+    if not usable:
+        notes = [f"{cfg}: {link.get('reason') or 'too few pivots to bin'}" for cfg, link in links.items()]
+        save_figure(message_figure("\n".join(notes) or NO_DATA, title), out_png, out_pdf)
+        return
+    fig = new_figure(7.0, 4.0)
+    ax = fig.add_subplot()
+    for i, (cfg, link) in enumerate(usable.items()):
+        x = np.array([max(b["median"], 1e-12) for b in link["bins"]])
+        auc = link["auc"].get("k3_kl")
+        label = f"{cfg}: re-feed (n={link['n']}, AUC {'n/a' if auc is None else f'{auc:.2f}'})"
+        ax.plot(x, [100 * b["refeed_flip_rate"] for b in link["bins"]], "o-", color=f"C{i}", label=label)
+        ax.plot(x, [100 * b["floor_flip_rate"] for b in link["bins"]], "s--", color=f"C{i}", alpha=0.6,
+                label=f"{cfg}: replica floor")
+    ax.set_xscale("log")
+    ax.set_xlabel("prefix k3_kl of the pivot's re-feed (bin median)")
+    ax.set_ylabel("% pivots whose estimate flips")
+    _finish(fig, ax, title, out_png, out_pdf, legend_size=7)
+
+
+def _finish(fig: Figure, ax, title: str, out_png: PathLike, out_pdf: PathLike, legend_size: int = 8) -> None:
+    """A rate plot's ending: the y axis from zero, the title, the legend, and the files."""
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=legend_size)
     fig.tight_layout()
     save_figure(fig, out_png, out_pdf)
 
@@ -320,11 +355,7 @@ def plot_disagreement_vs_margin(credits: Mapping[str, Mapping[str, pl.DataFrame]
     ax.set_xticks(mid, labels, fontsize=7)
     ax.set_xlabel("pivot margin (top-1 vs top-2 gap, in the pivot rule's unit; equal-count bins)")
     ax.set_ylabel("% pivots whose estimate disagrees")
-    ax.set_ylim(bottom=0)
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, out_png, out_pdf)
+    _finish(fig, ax, title, out_png, out_pdf)
 
 
 # ------------------------------------------------------------------------------- 6 channel agreement

@@ -95,7 +95,8 @@ def build_requests(pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pass_name: s
                     pivot_id=p["pivot_id"], branch=branch, k=j,
                     seed=continuation_seed(seed, config_name, p["pivot_id"], branch, j, spec.noise),
                     prefix_ids=prefix, branch_token=int(token), kv_file=kv_file, kv_sha256=r["kv_sha256"],
-                    expected_digest=r["logits_digests"][p["t"]], text_prefix_ids=text_ids))
+                    expected_digest=r["logits_digests"][p["t"]], text_prefix_ids=text_ids,
+                    response_start=len(r["prompt_ids"])))
     return requests
 
 
@@ -235,8 +236,9 @@ def run_pass(engine: Engine, pivots: pl.DataFrame, rollouts: pl.DataFrame, *, pa
 
 
 def with_restep_once(requests: list[ContinuationRequest], schedule: list[list[int]]) -> list[ContinuationRequest]:
-    """Ask for the re-step channel once per pivot: on its first row in the whole pass's schedule (so neither a
-    shard nor a resume changes which batch measures it); nowhere when ``schedule`` is empty (probe rows)."""
+    """Ask for the once-per-pivot channels (the re-step; a built prefix's tokens' log-probs) on the pivot's first
+    row in the whole pass's schedule (so neither a shard nor a resume changes which batch measures it); nowhere
+    when ``schedule`` is empty (probe rows)."""
     first: dict[str, int] = {}
     for rows in schedule:
         for i in rows:
@@ -282,6 +284,7 @@ def graded_records(batch: list[ContinuationRequest], results: list, tokenizer, s
             "cached_tokens": res.cached_tokens, "expected_cached_tokens": res.expected_cached_tokens,
             "tail_tokens": None if res.cached_tokens is None else res.prefix_len - res.cached_tokens,
             "restep_match": res.restep_match, "probe_ids": None, "probe_logprob": None,
+            "prefix_logprobs": res.prefix_logprobs,
         })
     return records
 
@@ -318,6 +321,9 @@ PASS_SCHEMA = {
     "restep_match": pl.Boolean,
     # the branch's greedy probe (k = 0 rows): its tokens, and the log-prob of its first token
     "probe_ids": pl.List(pl.Int64), "probe_logprob": pl.Float64,
+    # a pass that builds its prefix state: the log-probs its prefill gave the prefix's response tokens, on the
+    # one row per pivot that measures the pivot's once-per-pivot channels (null elsewhere)
+    "prefix_logprobs": pl.List(pl.Float64),
 }
 #: the k of probe rows until ``gather`` folds them into the k = 0 rows
 PROBE_K = -1

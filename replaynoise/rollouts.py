@@ -136,6 +136,7 @@ def rollout_record(rollout: Rollout, tokenizer, gold: str, span: tuple[int, int]
         "answer": answer, "gold": gold, "correct": is_correct(answer, gold),
         "answer_span": list(span) if span else None, "special_ids": sorted(special),
         "kv_file": rollout.kv_file, "kv_len": rollout.kv_len, "kv_sha256": rollout.kv_sha256,
+        "response_logprobs": rollout.token_logprobs,
     }
 
 

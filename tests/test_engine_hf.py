@@ -21,6 +21,7 @@ from replaynoise.engines.hf import HFEngine
 from replaynoise.engines.kvfiles import load_kv, save_kv
 from replaynoise.pivots import PivotRules, select_pivots
 from replaynoise.io import sha256_file
+from replaynoise.mismatch import mismatch_rows
 
 pytestmark = pytest.mark.slow
 
@@ -214,6 +215,11 @@ def test_invariant_mode_makes_all_passes_bitwise_identical(smollm2_dir, tmp_path
     assert_all_identical(agreement)
     assert passes["exact"]["next_digest"].equals(passes["refeed"]["next_digest"])
     assert all(max(d) == 0.0 for d in passes["refeed"]["kv_maxdiff"] if d is not None)
+    # the prefix mismatch channel: every re-fed prefix token's log-prob is its decode-time one, bit for bit
+    mismatch = mismatch_rows(frame, pivots, passes)
+    assert set(mismatch["pass"]) == {"refeed", "refeed_replica"}
+    assert mismatch.height == 2 * pivots.height and set(mismatch["share_identical"].drop_nulls()) == {1.0}
+    assert set(mismatch["k3_kl"].drop_nulls()) == set(mismatch["rollout_probs_diff_max"].drop_nulls()) == {0.0}
 
 
 def test_serial_pass_runs_one_request_at_a_time_on_a_seeded_sample(stock, tmp_path):

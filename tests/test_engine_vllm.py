@@ -30,6 +30,7 @@ from replaynoise.config import validate_config  # noqa: E402
 from replaynoise.engines import make_engine  # noqa: E402
 from replaynoise.engines.base import ContinuationRequest, SamplingSettings, VerificationError  # noqa: E402
 from replaynoise.engines.vllm import chained_digests, read_recipe, refeed_salt, rollout_salt  # noqa: E402
+from replaynoise.mismatch import mismatch_rows  # noqa: E402
 from replaynoise.pivots import PivotRules, select_pivots  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -116,6 +117,21 @@ def test_rollouts_store_a_recipe_not_kv(stored):
     assert all(len(d) == len(r) for d, r in zip(rollouts["logits_digests"], rollouts["response_ids"]))
 
 
+def test_rollouts_keep_each_sampled_tokens_raw_log_prob(stored):
+    """vLLM returns the sampled token beside the top-k: its log-prob is the rollout's, and where the token is in
+    the top-k, the very value listed there."""
+    rollouts, _ = stored
+    in_topk = 0
+    for r in rollouts.iter_rows(named=True):
+        assert len(r["response_logprobs"]) == len(r["response_ids"])
+        for token, ids, values, own in zip(r["response_ids"], r["topk_ids"], r["topk_logprobs"],
+                                           r["response_logprobs"]):
+            if token in ids:
+                in_topk += 1
+                assert own == values[ids.index(token)]
+    assert in_topk > 0
+
+
 def test_regeneration_matches_the_stored_rollout_bitwise(engine, stored):
     rollouts, _ = stored
     for r in rollouts.filter(pl.col("kv_file").is_not_null()).iter_rows(named=True):
@@ -124,6 +140,7 @@ def test_regeneration_matches_the_stored_rollout_bitwise(engine, stored):
         assert gen.token_ids == r["response_ids"]
         assert gen.topk_ids == r["topk_ids"] and gen.topk_logprobs == r["topk_logprobs"]
         assert chained_digests(gen.raw) == r["logits_digests"]
+        assert gen.token_logprobs == r["response_logprobs"]
 
 
 def test_refeed_reads_no_decode_time_block(engine, stored):
@@ -177,6 +194,29 @@ def test_refeed_pass_records_its_own_hits(engine, stored, pivots, tmp_path):
     assert refeed["cached_tokens"].is_not_null().all()
     assert (refeed["cached_tokens"] % SETTINGS["block_size"] == 0).all()
     assert cache_summary({"refeed": refeed})["refeed"]["hit_rate"] is None
+
+
+def test_refeed_scores_each_prefix_once_near_its_decode_time_log_probs(engine, stored, pivots, tmp_path):
+    rollouts, _ = stored
+    refeed = run(engine, pivots, rollouts, "refeed", tmp_path / "refeed-scored")
+    assert refeed.filter(pl.col("prefix_logprobs").is_not_null())["pivot_id"].n_unique() == pivots.height
+    assert refeed.filter(pl.col("prefix_logprobs").is_not_null()).height == pivots.height
+    rows = mismatch_rows(rollouts, pivots, {"refeed": refeed})
+    assert rows.height == pivots.height and rows["n_tokens"].to_list() == rows["t"].to_list()
+    assert rows["rollout_probs_diff_max"].max() < 0.5
+
+
+def test_prefix_scores_read_and_leave_no_block_a_pass_uses(engine, stored):
+    """The scoring requests prefill the whole prefix (prompt log-probs skip the cache) under a salt of their
+    own: a pass request of the same prefix afterwards finds none of their blocks."""
+    rollouts, _ = stored
+    r = rollouts.row(0, named=True)
+    ids = r["prompt_ids"] + r["response_ids"][:3]
+    (scores,) = engine.score_prefixes([(ids, len(r["prompt_ids"]))], "probe-scored")
+    assert len(scores) == 3 and max(abs(a - b) for a, b in zip(scores, r["response_logprobs"][:3])) < 1.0
+    (after,) = engine.submit([(ids + [r["response_ids"][3]], refeed_salt("probe-scored"))],
+                             [engine.sampling_params(1, 0.7, 1.0, 2)], "pass request after scoring")
+    assert after.cached_tokens == 0
 
 
 def test_refeed_replica_prefills_its_prefixes_anew(engine, stored, pivots, tmp_path):

@@ -20,7 +20,7 @@ LAYERS = [
     ["engines.states"],
     ["engines.hf_rollouts"],
     ["engines.hf", "config", "rollouts", "replay", "analysis", "controls"],
-    ["engines", "tables", "figures", "provenance"],
+    ["engines", "tables", "figures", "provenance", "mismatch"],
     ["control_report"],
     ["reference", "reanalyze"],
 ]

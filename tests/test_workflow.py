@@ -50,6 +50,19 @@ def test_passes_hold_real_graded_continuations(finished_run):
     assert comparison["verification"]["rate"] == 1.0
 
 
+def test_the_prefix_mismatch_channel_reaches_the_report(finished_run):
+    """The re-feed's prefix tokens are scored once per pivot under the frameworks' names, summarised in
+    comparison.json, drawn, and said in one sentence per configuration in the tables."""
+    results = finished_run / "results"
+    pivots = pl.read_parquet(results / "pivots" / "tiny.parquet")
+    mismatch = pl.read_parquet(results / "analysis" / "tiny" / "mismatch.parquet")
+    assert set(mismatch["pass"]) == {"refeed"} and mismatch.height == pivots.height
+    summary = json.loads((results / "analysis" / "tiny" / "comparison.json").read_text())["prefix_mismatch"]
+    assert summary["passes"]["refeed"]["k3_kl"] is not None and "exact" in summary["not_scored"]
+    assert summary["sentence"] in (results / "tables" / "headline.md").read_text()
+    assert (results / "figures" / "mismatch_flips.png").is_file()
+
+
 def test_changing_sample_size_reruns_sampling_and_downstream_not_model(finished_run):
     bigger = {**TINY, "dataset": {**TINY["dataset"], "n_problems": 4}}
     rules = planned_rules(finished_run, bigger)

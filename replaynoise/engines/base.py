@@ -55,6 +55,9 @@ class Rollout:
     kv_file: str | None = None
     kv_len: int = 0
     kv_sha256: str | None = None
+    #: the raw (untempered) log-prob of each sampled response token at the step that chose it: what a trainer
+    #: compares its own recomputation with (the prefix mismatch channel); the top-k need not hold the token
+    token_logprobs: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,12 @@ class ContinuationRequest:
     expected_digest: str | None = None
     #: for refeed_text: the prefix re-tokenized from its text
     text_prefix_ids: tuple[int, ...] | None = None
-    #: measure the re-step channel for this row's pivot (decode_kv; the pass asks once per pivot, not per row)
+    #: measure this row's pivot's once-per-pivot channels (the pass asks on one row per pivot, not on every
+    #: row): decode_kv, the re-step; a prefix state the pass builds itself, its prefix tokens' log-probs
     restep: bool = True
+    #: where the response starts in ``prefix_ids`` (the prompt's length): the prefix tokens from here on have
+    #: a decode-time log-prob to set a re-fed one against; None: score none
+    response_start: int | None = None
 
 
 @dataclass
@@ -95,6 +102,10 @@ class ContinuationResult:
     #: decode_kv: whether re-stepping the last prefix token over the stored KV reproduced the rollout's logits
     #: there bitwise (a measured channel, not a gate); None where not measured
     restep_match: bool | None = None
+    #: the log-probs the pass's own prefix computation gave the prefix's response tokens
+    #: (``prefix_ids[response_start:]``), on the row that measures its pivot's once-per-pivot channels of a
+    #: pass that builds its prefix state; None elsewhere (a resumed state has no prefix computation)
+    prefix_logprobs: list[float] | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -122,6 +133,19 @@ class Engine(Protocol):
         prefix source kind or a ``PrefixSource``; an engine refuses, by name, what it cannot build (a transplant
         needs the KV in hand)."""
         ...
+
+
+def scored_from(req: ContinuationRequest, source: PrefixSource) -> int | None:
+    """Where the prefix tokens whose log-probs a pass's own prefix computation is set against the decode-time
+    ones start (the response's first token), or None where there is nothing to set against: a resumed state
+    (decode_kv) computes no prefix, a transplant's state is not the one its prefill made, and a re-tokenized
+    prefix whose ids differ from the rollout's has no decode-time log-prob per token."""
+    if source.kind == "decode_kv" or source.donor is not None or req.response_start is None:
+        return None
+    if (source.kind == "refeed_text" and req.text_prefix_ids is not None
+            and tuple(req.text_prefix_ids) != tuple(req.prefix_ids)):
+        return None
+    return req.response_start
 
 
 class KeepLen(Protocol):

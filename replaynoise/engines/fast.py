@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from replaynoise.engines.sampling import sample_rows
+from replaynoise.engines.sampling import logprob_rows, sample_rows, token_logprob_of
 
 log = logging.getLogger(__name__)
 
@@ -388,6 +388,20 @@ class AlignedDecoder(StaticDecoder):
         """Feed each row's next forced token (no head, no sampling); a row at its last forced position stays
         there, recomputing that position into the same slot (bit-identical: same inputs, same shapes)."""
         self._layers()
+        self._advance_prefill()
+
+    @torch.inference_mode()
+    def _prefill_step_scored(self) -> torch.Tensor:
+        """``_prefill_step`` with the head a decode step applies (the same expression, in the same shape), and
+        each row's log-prob of its next forced token: a re-fed prefix's log-probs in the kernels that computed the
+        decode-time ones. Run eagerly (the prefill graph has no head)."""
+        logits = self.model.lm_head(self.inner.norm(self._layers()))[:, 0, :]
+        ahead = torch.clamp(self.positions + 1, max=self.length - 1)
+        scores = token_logprob_of(logprob_rows(logits), self.forced.gather(1, ahead[:, None])[:, 0])
+        self._advance_prefill()
+        return scores
+
+    def _advance_prefill(self) -> None:
         self.positions.copy_(torch.minimum(self.positions + 1, self.hold))
         self.write.copy_(self.positions)
         self.ids.copy_(self.forced.gather(1, self.positions[:, None])[:, 0])
@@ -403,12 +417,14 @@ class AlignedDecoder(StaticDecoder):
             raise ValueError(f"{needed} positions do not fit the invariant decode's {self.length}-slot cache; "
                              "raise the configuration's invariant_context")
 
-    def prefill(self, seqs: list[list[int]]) -> None:
+    def prefill(self, seqs: list[list[int]], starts: list[int | None] | None = None) -> list[list[float] | None]:
         """Compute the KV of ``seqs`` (one per row, at most ``rows``) into slots [0, len) by decode steps; the rows
-        left over run copies of the first."""
+        left over run copies of the first. With ``starts``, returns the log-probs the steps give each row's tokens
+        ``seq[start:]`` (None for a row without a start)."""
         if not 0 < len(seqs) <= self.rows or not all(seqs):
             raise ValueError(f"prefill takes 1 to {self.rows} non-empty sequences, got lengths {list(map(len, seqs))}")
         self.check_fits(max(map(len, seqs)))
+        n, starts = len(seqs), list(starts or [])
         seqs = seqs + [seqs[0]] * (self.rows - len(seqs))
         self.kv.zero_()
         self.mask.zero_()
@@ -419,8 +435,14 @@ class AlignedDecoder(StaticDecoder):
         self.positions.zero_()
         self.write.zero_()
         self.ids.copy_(self.forced[:, 0])
-        for _ in range(max(map(len, seqs))):
-            self._replay_prefill()
+        if not any(start is not None for start in starts):
+            for _ in range(max(map(len, seqs))):
+                self._replay_prefill()
+            return [None] * n
+        scores = torch.stack([self._prefill_step_scored() for _ in range(max(map(len, seqs)))], dim=1).tolist()
+        # step s scores the token at position s + 1 of a row still feeding its prefix
+        return [None if start is None else scores[row][max(start, 1) - 1:len(seqs[row]) - 1]
+                for row, start in enumerate(starts[:n])]
 
     def _replay_prefill(self) -> None:
         if not self.graphs:

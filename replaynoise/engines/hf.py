@@ -21,14 +21,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from replaynoise.engines.base import (
-    ContinuationRequest, ContinuationResult, PrefixSource, SamplingSettings, VerificationError,
+    ContinuationRequest, ContinuationResult, PrefixSource, SamplingSettings, VerificationError, scored_from,
 )
 from replaynoise.engines.fast import (
     AlignedDecoder, StaticDecoder, static_attention, static_decode_supported, use_fp32_matmul,
 )
 from replaynoise.engines.hf_rollouts import HFRollouts
 from replaynoise.engines.kvfiles import stack_layers
-from replaynoise.engines.sampling import digest_rows, digest_strings, sample_rows, topk_rows
+from replaynoise.engines.sampling import (
+    digest_rows, digest_strings, logprob_rows, sample_rows, token_logprob_of, topk_rows,
+)
 from replaynoise.engines.states import (
     PrefixState, StoredKV, bucket, cache_layers, left_padded_cache, row_bucket, transplant,
 )
@@ -50,6 +52,9 @@ CPU_MATMULS = ("fp32", "native")
 #: execution plan for every new shape, 1.8 ms of host time per layer and forward on an H200 (measured,
 #: benchmarks/profile_pass.py), and nearly every batch of a pass has shapes of its own. CPUs never use it.
 EAGER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: prefix positions whose next-token log-probs one head GEMM computes at a time (``_prefix_scores``): a batch's
+#: prefixes never hold [rows, length, vocab] logits at once (Qwen's 151,936-token vocabulary: 0.6 MB a position)
+SCORE_CHUNK = 256
 
 
 class HFEngine(HFRollouts):
@@ -114,16 +119,24 @@ class HFEngine(HFRollouts):
             self._copies[dtype] = copy.deepcopy(self.model).to(getattr(torch, dtype)).eval()
         return self._copies[dtype]
 
-    def _prefill(self, ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
-        """KV and last logits of one prompt: one forward in stock mode, one forward per token in invariant mode."""
+    def _prefill(self, ids: list[int], score_from: int | None = None
+                 ) -> tuple[DynamicCache, torch.Tensor, list[float] | None]:
+        """KV and last logits of one prompt: one forward in stock mode, one forward per token in invariant mode;
+        with ``score_from`` (invariant mode), the log-probs its steps give tokens ``ids[score_from:]`` as well."""
         cache = DynamicCache()
+        if score_from is not None and not self.invariant:
+            raise ValueError("a one-prompt prefill scores its tokens in invariant mode only; a stock prefill is "
+                             "scored by _prefill_scored")
+        scores = [] if score_from is not None else None
         if self.invariant:
             logits = None
-            for tok in ids:
+            for at, tok in enumerate(ids):
+                if scores is not None and at >= max(score_from, 1):
+                    scores.append(float(token_logprob_of(logprob_rows(logits), torch.tensor([tok]))[0]))
                 logits = self._step(torch.tensor([[tok]]), cache)
         else:
             logits = self._step(torch.tensor([ids]), cache)
-        return cache, logits[0]
+        return cache, logits[0], scores
 
     @torch.inference_mode()
     def _prefill_batch(self, seqs: list[list[int]], model: torch.nn.Module | None = None
@@ -132,23 +145,57 @@ class HFEngine(HFRollouts):
 
         Returns the cache (row r's positions start at ``pads[r]``), float32 logits [rows, vocab] on the device,
         and the padding mask [rows, longest] on the CPU."""
-        longest = max(map(len, seqs))
-        ids = torch.zeros(len(seqs), longest, dtype=torch.int64)
-        mask = torch.zeros(len(seqs), longest, dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            ids[row, longest - len(seq):] = torch.tensor(seq)
-            mask[row, longest - len(seq):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = _left_padded(seqs)
         cache = DynamicCache()
         logits = self._step(ids, cache, model, attention_mask=mask.to(self.device),
                             position_ids=positions.to(self.device))
-        padding = (mask == 0).to(self.device)[:, None, :, None]
-        for layer in cache.layers:  # padding's KV is masked out, but 0 * NaN would not be: make it zero
-            if layer.keys.shape[-2] != padding.shape[2]:
-                continue  # a sliding-window layer that kept only its window
-            layer.keys.masked_fill_(padding, 0)
-            layer.values.masked_fill_(padding, 0)
+        _zero_padding(cache, mask, self.device)
         return cache, logits, mask
+
+    @torch.inference_mode()
+    def _prefill_scored(self, seqs: list[list[int]], starts: list[int | None],
+                        model: torch.nn.Module | None = None) -> tuple[DynamicCache, torch.Tensor, list]:
+        """``_prefill_batch``'s KV (the same forward of the decoder layers, so the same bits) and, for every row
+        with a start, the log-probs that forward gives its tokens ``seq[start:]``; no last logits (a re-feed does
+        not read them). Returns the cache, the padding mask and the scores (None for a row without a start)."""
+        model = model or self.model
+        ids, mask, positions = _left_padded(seqs)
+        cache = DynamicCache()
+        with sdpa_kernel(EAGER_ATTENTION):
+            hidden = model.base_model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      position_ids=positions.to(self.device), past_key_values=cache,
+                                      use_cache=True).last_hidden_state
+        _zero_padding(cache, mask, self.device)
+        pads = [mask.shape[1] - len(seq) for seq in seqs]
+        return cache, mask, self._prefix_scores(model, hidden, seqs, starts, pads)
+
+    def _prefix_scores(self, model: torch.nn.Module, hidden: torch.Tensor, seqs: list[list[int]],
+                       starts: list[int | None], pads: list[int]) -> list[list[float] | None]:
+        """Each scored row's tokens' log-probs from the hidden states of its prefill: the head applied to
+        ``SCORE_CHUNK`` positions at a time, only the target token's log-prob kept, one host copy at the end."""
+        rows, cols, targets = [], [], []
+        for row, (seq, start) in enumerate(zip(seqs, starts)):
+            if start is not None:
+                for j in range(max(start, 1), len(seq)):
+                    rows.append(row), cols.append(pads[row] + j - 1), targets.append(seq[j])
+        if not rows:
+            return [None if start is None else [] for start in starts]
+        softcap = getattr(model.config, "final_logit_softcapping", None)
+        index = (torch.tensor(rows, device=hidden.device), torch.tensor(cols, device=hidden.device))
+        target = torch.tensor(targets, device=hidden.device)
+        out = torch.empty(len(rows), dtype=torch.float32, device=hidden.device)
+        for lo in range(0, len(rows), SCORE_CHUNK):
+            part = slice(lo, lo + SCORE_CHUNK)
+            logits = model.lm_head(hidden[index[0][part], index[1][part]]).to(torch.float32)
+            if softcap is not None:  # Gemma's final soft cap, as its forward applies it
+                logits = torch.tanh(logits / softcap) * softcap
+            out[part] = token_logprob_of(logprob_rows(logits), target[part])
+        values, scores, at = out.tolist(), [], 0
+        for seq, start in zip(seqs, starts):
+            n = 0 if start is None else len(seq) - max(start, 1)
+            scores.append(None if start is None else values[at:at + n])
+            at += n
+        return scores
 
     # ----------------------------------------------------------------------------------------- decoders
     def _aligned(self) -> AlignedDecoder:
@@ -174,15 +221,16 @@ class HFEngine(HFRollouts):
         from an uninterrupted one. (The stored KV files are kept: loading is exact.)"""
         source = as_source(source)
         todo = list({req.pivot_id: req for req in requests}.values())
+        wanted = {req.pivot_id for req in requests if req.restep}
+        starts = [scored_from(req, source) if req.pivot_id in wanted else None for req in todo]
         with self.phases("prefix states"):
             self.stored.load_ahead([req for req in todo if req.kv_file is not None])
-            built = self._states_of(source.kind, todo, source.prefix_dtype)
+            built = self._states_of(source.kind, todo, source.prefix_dtype, starts)
             if source.donor is not None:
                 donors = self._states_of(source.donor, todo)
                 built = self.stored.drift(todo, [transplant(req, mine, theirs, source.layers) for req, mine, theirs
                                            in zip(todo, built, donors)])
         if source.kind == "decode_kv" and source.donor is None:
-            wanted = {req.pivot_id for req in requests if req.restep}
             chosen = [i for i, req in enumerate(todo) if req.pivot_id in wanted]
             if chosen:
                 with self.phases("re-step"):
@@ -191,14 +239,15 @@ class HFEngine(HFRollouts):
         by_pivot = {req.pivot_id: state for req, state in zip(todo, built)}
         return [by_pivot[req.pivot_id] for req in requests]
 
-    def _states_of(self, kind: str, requests: list[ContinuationRequest], prefix_dtype: str | None = None
-                   ) -> list[PrefixState]:
-        """The states a prefix source kind builds for these (distinct) pivots."""
+    def _states_of(self, kind: str, requests: list[ContinuationRequest], prefix_dtype: str | None = None,
+                   starts: list[int | None] | None = None) -> list[PrefixState]:
+        """The states a prefix source kind builds for these (distinct) pivots; a built prefix also scores its
+        tokens from ``starts[i]`` on (``scored_from``)."""
         if kind == "decode_kv":
             return [self._decode_state(req) for req in requests]
         ids = [list(req.text_prefix_ids or req.prefix_ids) if kind == "refeed_text" else list(req.prefix_ids)
                for req in requests]
-        return self._refeed_states(requests, ids, prefix_dtype)
+        return self._refeed_states(requests, ids, prefix_dtype, starts or [None] * len(requests))
 
     def _decode_state(self, req: ContinuationRequest) -> PrefixState:
         """The stored decode-time KV cropped to the pivot. It is the decode-time state when the file is the one
@@ -267,15 +316,23 @@ class HFEngine(HFRollouts):
             for slot, (req, state) in enumerate(zip(reqs, group)):
                 state.restep_match = same_kv[slot] and digests[slot] == req.expected_digest
 
-    def _refeed_states(self, requests: list[ContinuationRequest], seqs: list[list[int]],
-                       dtype: str | None = None) -> list[PrefixState]:
+    def _refeed_states(self, requests: list[ContinuationRequest], seqs: list[list[int]], dtype: str | None,
+                       starts: list[int | None]) -> list[PrefixState]:
         """Recompute the prefixes as fresh prompts, prefilled together (invariant: by the invariant decoder's steps,
         or one token of one row at a time without static decode; ``dtype``: by the model cast to it, in one
         batched forward whatever the kernels, the KV cast back to the model's dtype); where the decode KV is
-        stored, record how far each moved from it (max |dKV| per layer)."""
+        stored, record how far each moved from it (max |dKV| per layer). A row with a start keeps the log-probs
+        its own prefill gave its tokens from there on (``PrefixState.token_logprobs``); a batch with none
+        prefills exactly as before (the head is then applied to the last position only)."""
         padded = None  # the states as one left-padded tensor, padding zero, where a batched prefill made them
-        if dtype is not None:
-            cache, _, mask = self._prefill_batch(seqs, self._model_in(dtype))
+        scores: list = [None] * len(seqs)
+        scoring = any(start is not None for start in starts)
+        if dtype is not None or not (self.aligned or self.invariant):
+            model = self._model_in(dtype) if dtype is not None else None
+            if scoring:
+                cache, mask, scores = self._prefill_scored(seqs, starts, model)
+            else:
+                cache, _, mask = self._prefill_batch(seqs, model)
             whole, longest = stack_layers(cache_layers(cache)).to(self.model.dtype), mask.shape[1]
             del cache
             stacks = [whole[:, :, r:r + 1, :, longest - len(seq):] for r, seq in enumerate(seqs)]
@@ -284,19 +341,17 @@ class HFEngine(HFRollouts):
             decoder, rows, stacks = self._aligned(), self.invariant_shape[0], []
             for start in range(0, len(seqs), rows):
                 chunk = seqs[start:start + rows]
-                decoder.prefill(chunk)
+                scores[start:start + len(chunk)] = decoder.prefill(chunk, starts[start:start + rows])
                 whole = decoder.kv[:, :, :len(chunk), :, :max(map(len, chunk))].clone()
                 stacks.extend(whole[:, :, r:r + 1, :, :len(seq)] for r, seq in enumerate(chunk))
-        elif self.invariant:
-            stacks = [stack_layers(cache_layers(self._prefill(seq)[0])) for seq in seqs]
         else:
-            cache, _, mask = self._prefill_batch(seqs)
-            whole, longest = stack_layers(cache_layers(cache)), mask.shape[1]
-            del cache
-            stacks = [whole[:, :, r:r + 1, :, longest - len(seq):] for r, seq in enumerate(seqs)]
-            padded = whole
-        return self.stored.drift(requests, [PrefixState(None, len(seq), True, None, kv=kv) for seq, kv in zip(seqs, stacks)],
-                                 whole=padded)
+            stacks = []
+            for row, (seq, start) in enumerate(zip(seqs, starts)):
+                cache, _, scores[row] = self._prefill(seq, start)
+                stacks.append(stack_layers(cache_layers(cache)))
+        states = [PrefixState(None, len(seq), True, None, kv=kv, token_logprobs=score)
+                  for seq, kv, score in zip(seqs, stacks, scores)]
+        return self.stored.drift(requests, states, whole=padded)
 
     # ----------------------------------------------------------------------------------------- continuations
     @torch.inference_mode()
@@ -340,7 +395,8 @@ class HFEngine(HFRollouts):
         """One row's result; the re-step outcome only on rows that asked for it (once per pivot and pass)."""
         return ContinuationResult(tokens, finish, state.verified, state.length, first[0], first[1], first[2],
                                   state.kv_maxdiff, cached_tokens=state.cached, expected_cached_tokens=state.expected,
-                                  restep_match=state.restep_match if req.restep else None)
+                                  restep_match=state.restep_match if req.restep else None,
+                                  prefix_logprobs=state.token_logprobs if req.restep else None)
 
     def _continue(self, requests: list[ContinuationRequest], states: list[PrefixState],
                   sampling: SamplingSettings, model: torch.nn.Module | None = None) -> list[ContinuationResult]:
@@ -482,3 +538,24 @@ class HFEngine(HFRollouts):
             tokens_i, finish = (row[:end + 1], "eos") if end is not None else (row, "length")
             results.append(self._result(req, tokens_i, finish, s, tuple(f[i] for f in firsts)))
         return results
+
+
+def _left_padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids [rows, longest] left-padded with 0, the padding mask and the positions of a batched prefill."""
+    longest = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), longest, dtype=torch.int64)
+    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        ids[row, longest - len(seq):] = torch.tensor(seq)
+        mask[row, longest - len(seq):] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _zero_padding(cache: DynamicCache, mask: torch.Tensor, device: torch.device) -> None:
+    """Padding's KV is masked out, but 0 * NaN would not be: make it zero."""
+    padding = (mask == 0).to(device)[:, None, :, None]
+    for layer in cache.layers:
+        if layer.keys.shape[-2] != padding.shape[2]:
+            continue  # a sliding-window layer that kept only its window
+        layer.keys.masked_fill_(padding, 0)
+        layer.values.masked_fill_(padding, 0)

@@ -16,7 +16,7 @@ from replaynoise.engines.base import KeepLen, Rollout, RolloutRequest, SamplingS
 from replaynoise.engines.fast import StaticDecoder
 from replaynoise.engines.kvfiles import KVLayers, save_kv, stack_layers
 from replaynoise.engines.sampling import (
-    RowSampler, digest_rows, digest_strings, logits_digest, sample_rows, topk_logprobs, topk_rows,
+    RowSampler, digest_rows, digest_strings, logits_digest, logprob_rows, sample_rows, token_logprob_of, topk_of,
 )
 from replaynoise.engines.states import IO_THREADS, bucket, cache_layers
 from replaynoise.io import file_in
@@ -55,32 +55,35 @@ class HFRollouts:
 
     def _generate_one(self, req: RolloutRequest, sampling: SamplingSettings) -> tuple[Rollout, KVLayers]:
         sampler = RowSampler(req.seed, sampling.temperature, sampling.top_p)
-        cache, logits = self._prefill(list(req.prompt_ids))
-        response, top_ids, top_lps, digests = [], [], [], []
+        cache, logits, _ = self._prefill(list(req.prompt_ids))
+        response, top_ids, top_lps, digests, token_lps = [], [], [], [], []
         finish = "length"
         for step in range(sampling.max_new_tokens):
-            ids, lps = topk_logprobs(logits, self.topk)
-            top_ids.append(ids)
-            top_lps.append(lps)
+            logprobs = logprob_rows(logits[None, :])
+            ids, lps = topk_of(logprobs, self.topk)
+            top_ids.append(ids[0].tolist())
+            top_lps.append(lps[0].tolist())
             digests.append(logits_digest(logits))
             token = sampler.sample(logits)
             response.append(token)
+            token_lps.append(float(logprobs[0, token]))
             if token in self.eos_ids:
                 finish = "eos"
                 break
             if step + 1 < sampling.max_new_tokens:
                 logits = self._step(torch.tensor([[token]]), cache)[0]
         rollout = Rollout(req.problem_id, list(req.prompt_ids), response, top_ids, top_lps, digests, finish,
-                          rollout=req.rollout)
+                          rollout=req.rollout, token_logprobs=token_lps)
         return rollout, cache_layers(cache)
 
-    def _rollout_of(self, req: RolloutRequest, tokens: list[int], top_ids, top_lps, digests) -> Rollout:
+    def _rollout_of(self, req: RolloutRequest, tokens: list[int], top_ids, top_lps, digests, token_lps) -> Rollout:
         """A row's rollout from its sampled tokens (cut after the first end-of-sequence token) and per-step
         records (host lists, one entry per step)."""
         end = next((j for j, t in enumerate(tokens) if t in self.eos_ids), None)
         n = len(tokens) if end is None else end + 1
         return Rollout(req.problem_id, list(req.prompt_ids), tokens[:n], top_ids[:n], top_lps[:n],
-                       digest_strings(digests[:n]), "length" if end is None else "eos", rollout=req.rollout)
+                       digest_strings(digests[:n]), "length" if end is None else "eos", rollout=req.rollout,
+                       token_logprobs=token_lps[:n])
 
     @torch.inference_mode()
     def _generate_dynamic(self, requests: list[RolloutRequest], sampling: SamplingSettings
@@ -93,22 +96,21 @@ class HFRollouts:
         positions = mask.sum(-1).to(self.device)
         mask = mask.to(self.device)
         dev = dict(device=self.device)
-        top_ids = torch.zeros(n, steps, k, dtype=torch.int64, **dev)
-        top_lps = torch.zeros(n, steps, k, dtype=torch.float32, **dev)
-        digests = torch.zeros(n, steps, 2, dtype=torch.int64, **dev)
-        sampled = torch.zeros(n, steps, dtype=torch.int64, **dev)
+        top_ids, top_lps, digests, sampled, token_lps = self._step_records(n, steps)
         active = torch.arange(n, **dev)
         out: list = [None] * n
         for step in range(steps):
-            top_ids[active, step], top_lps[active, step] = topk_rows(logits, k)
+            logprobs = logprob_rows(logits)
+            top_ids[active, step], top_lps[active, step] = topk_of(logprobs, k)
             digests[active, step] = digest_rows(logits)
             tokens = sample_rows(logits, seeds[active], torch.full_like(active, step), sampling.temperature,
                                  sampling.top_p)
             sampled[active, step] = tokens
+            token_lps[active, step] = token_logprob_of(logprobs, tokens)
             done = torch.isin(tokens, torch.tensor(sorted(self.eos_ids), **dev)) | (step + 1 == steps)
             if bool(done.any()):
                 rows = active[done].tolist()
-                host = [t[rows, :step + 1].tolist() for t in (sampled, top_ids, top_lps, digests)]
+                host = [t[rows, :step + 1].tolist() for t in (sampled, top_ids, top_lps, digests, token_lps)]
                 for slot, (row, *records) in zip(done.nonzero()[:, 0].tolist(), zip(rows, *host)):
                     rollout = self._rollout_of(requests[row], *records)
                     start = pads[row]
@@ -138,11 +140,14 @@ class HFRollouts:
             longest = mask.shape[1]
             records = self._step_records(n, steps)
             seeds = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=self.device)
-            top_ids, top_lps, digests, sampled = records
-            top_ids[:, 0], top_lps[:, 0] = topk_rows(logits, self.topk)
+            top_ids, top_lps, digests, sampled, token_lps = records
+            logprobs = logprob_rows(logits)
+            top_ids[:, 0], top_lps[:, 0] = topk_of(logprobs, self.topk)
             digests[:, 0] = digest_rows(logits)
             sampled[:, 0] = sample_rows(logits, seeds, torch.zeros_like(seeds), sampling.temperature,
                                         sampling.top_p)
+            token_lps[:, 0] = token_logprob_of(logprobs, sampled[:, 0])
+            del logprobs
             stacked = stack_layers(cache_layers(cache))
             layers = [stacked[:, :, r:r + 1, :, longest - len(p):] for r, p in enumerate(prompts)]
         with self.phases("load states"):
@@ -184,28 +189,32 @@ class HFRollouts:
                 for row, r in enumerate(rollouts)]
 
     def _step_records(self, rows: int, steps: int) -> tuple[torch.Tensor, ...]:
-        """Device buffers of a rollout batch's per-step records: top-k ids, top-k log-probs, digests, tokens."""
+        """Device buffers of a rollout batch's per-step records: top-k ids, top-k log-probs, digests, tokens, the
+        tokens' own log-probs."""
         dev = dict(device=self.device)
         return (torch.zeros(rows, steps, self.topk, dtype=torch.int64, **dev),
                 torch.zeros(rows, steps, self.topk, dtype=torch.float32, **dev),
                 torch.zeros(rows, steps, 2, dtype=torch.int64, **dev),
-                torch.zeros(rows, steps, dtype=torch.int64, **dev))
+                torch.zeros(rows, steps, dtype=torch.int64, **dev),
+                torch.zeros(rows, steps, dtype=torch.float32, **dev))
 
     def _record_steps(self, decoder: StaticDecoder, records: tuple[torch.Tensor, ...], steps: range, n: int,
                       before: int = -1) -> tuple[int, list]:
         """Decode rollout ``steps`` until the first ``n`` rows have all ended, recording every step on the
         device; returns the last step run and those rows' records on the host (tokens, top-k ids, top-k
-        log-probs, digests: the argument order of ``_rollout_of``)."""
-        top_ids, top_lps, digests, sampled = records
+        log-probs, digests, the tokens' log-probs: the argument order of ``_rollout_of``)."""
+        top_ids, top_lps, digests, sampled, token_lps = records
         eos = torch.tensor(sorted(self.eos_ids), device=self.device)
 
         def record(step: int) -> bool:
             logits, tokens = decoder.step()
-            top_ids[:, step], top_lps[:, step] = topk_rows(logits, self.topk)
+            logprobs = logprob_rows(logits)
+            top_ids[:, step], top_lps[:, step] = topk_of(logprobs, self.topk)
             digests[:, step] = digest_rows(logits)
             sampled[:, step] = tokens
+            token_lps[:, step] = token_logprob_of(logprobs, tokens)
             return step % 16 == 15 and bool(torch.isin(sampled[:n, :step + 1], eos).any(dim=1).all())
 
         last = self._run_steps(decoder, steps, record, before=before)
         with self.phases("results to host"):
-            return last, [t[:n, :last + 1].tolist() for t in (sampled, top_ids, top_lps, digests)]
+            return last, [t[:n, :last + 1].tolist() for t in (sampled, top_ids, top_lps, digests, token_lps)]

@@ -142,13 +142,23 @@ def logits_digest(logits: torch.Tensor) -> str:
     return digest_strings(digest_rows(logits[None, :]))[0]
 
 
-def topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids and log-probs of the untempered distribution of every row, on the logits' device."""
-    values, ids = torch.topk(torch.log_softmax(logits.to(torch.float32), dim=-1), k, dim=-1)
+def logprob_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The untempered log-probs of every row, computed in float32: the one form every recorded log-prob takes, so
+    a top-k entry and a sampled token's own log-prob of one step are the same number."""
+    return torch.log_softmax(logits.to(torch.float32), dim=-1)
+
+
+def topk_of(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids and values of log-probs [rows, vocab] (``logprob_rows``)."""
+    values, ids = torch.topk(logprobs, k, dim=-1)
     return ids, values
 
 
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
-    """Top-k ids and log-probs of the untempered distribution, ordered by probability."""
-    ids, values = topk_rows(logits[None, :], k)
-    return ids[0].tolist(), values[0].tolist()
+def token_logprob_of(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's log-prob of its own token: ``logprobs`` [rows, vocab], ``tokens`` int64 [rows]."""
+    return logprobs.gather(-1, tokens[:, None].to(logprobs.device))[:, 0]
+
+
+def topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids and log-probs of the untempered distribution of every row, on the logits' device."""
+    return topk_of(logprob_rows(logits), k)

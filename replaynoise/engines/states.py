@@ -41,6 +41,8 @@ class PrefixState:
     #: the same KV stacked, [layers, 2, 1, kv_heads, length, head_dim] (None where layers differ in shape):
     #: batches are assembled with one copy per row instead of one per row and layer
     kv: torch.Tensor | None = None
+    #: a built prefix's tokens' log-probs from its own prefill (``ContinuationResult.prefix_logprobs``)
+    token_logprobs: list[float] | None = None
 
     def per_layer(self) -> KVLayers:
         return self.layers if self.layers is not None else [(kv[0], kv[1]) for kv in self.kv]

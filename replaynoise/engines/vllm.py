@@ -34,7 +34,7 @@ import torch
 
 from replaynoise.engines.base import (
     ContinuationRequest, ContinuationResult, KeepLen, Rollout, RolloutRequest, SamplingSettings,
-    VerificationError,
+    VerificationError, scored_from,
 )
 from replaynoise.passes import PrefixSource, as_source
 from replaynoise.progress import Phases
@@ -249,6 +249,8 @@ class Generated:
     raw: list[bytes]
     finish_reason: str
     cached_tokens: int
+    #: the raw log-prob of each generated token (vLLM returns the sampled token beside the top-k)
+    token_logprobs: list[float] | None = None
 
 
 class VLLMEngine:
@@ -292,8 +294,34 @@ class VLLMEngine:
             positions = [_position(entry, self.topk) for entry in comp.logprobs]
             results.append(Generated(list(comp.token_ids), [p[0] for p in positions], [p[1] for p in positions],
                                      [p[2] for p in positions], FINISH[comp.finish_reason],
-                                     int(out.num_cached_tokens or 0)))
+                                     int(out.num_cached_tokens or 0),
+                                     [entry[token].logprob for entry, token in zip(comp.logprobs, comp.token_ids)]))
         return results
+
+    def score_prefixes(self, prefixes: list[tuple[list[int], int]], label: str) -> list[list[float]]:
+        """The log-probs a fresh prefill gives each prefix's tokens from its start on: ``prefixes`` (ids, start),
+        one request each, all in one call, of one output token.
+
+        Apart from the pass's own requests on purpose: vLLM computes prompt log-probs only by prefilling the
+        whole prompt (a request that asks for them skips the prefix cache), so asking them of the pass's requests
+        would change how the pass computes its prefixes. These requests carry a salt of their own
+        (``score_salt``): no block they write can be read by a pass request, nor one of a pass by them."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        inputs = [TokensPrompt(prompt_token_ids=list(ids), cache_salt=score_salt(label)) for ids, _ in prefixes]
+        with self.phases("vLLM prefix scores"):
+            outputs = self.llm.generate(inputs, [params] * len(inputs), use_tqdm=False)
+        if len(outputs) != len(inputs):
+            raise EngineError(f"prefix scores: vLLM returned {len(outputs)} results for {len(inputs)} requests")
+        scores = []
+        for (ids, start), out in zip(prefixes, outputs):
+            entries = out.prompt_logprobs  # position 0 has none: nothing precedes it
+            if entries is None or len(entries) != len(ids):
+                raise EngineError(f"prefix scores: no prompt log-probs for a prefix of {len(ids)} tokens")
+            scores.append([entries[j][ids[j]].logprob for j in range(max(start, 1), len(ids))])
+        return scores
 
     # ----------------------------------------------------------------------------------------- rollouts
     def generate_rollouts(self, requests: list[RolloutRequest], sampling: SamplingSettings, kv_dir: Path,
@@ -308,7 +336,8 @@ class VLLMEngine:
         rollouts = []
         for index, (req, gen) in enumerate(zip(requests, generated)):
             rollout = Rollout(req.problem_id, list(req.prompt_ids), gen.token_ids, gen.topk_ids,
-                              gen.topk_logprobs, chained_digests(gen.raw), gen.finish_reason, rollout=req.rollout)
+                              gen.topk_logprobs, chained_digests(gen.raw), gen.finish_reason, rollout=req.rollout,
+                              token_logprobs=gen.token_logprobs)
             keep = keep_len(rollout)
             if keep > 0:
                 path = file_in(kv_dir, f"{req.key}.json")
@@ -390,8 +419,14 @@ class VLLMEngine:
         params = [self.sampling_params(r.seed, sampling.temperature, sampling.top_p, sampling.max_new_tokens)
                   for r in requests]
         generated = self.submit(prompts, params, f"{source} batch of {len(requests)}")
+        scored = {}  # once per pivot, on the row that measures its once-per-pivot channels, after the batch
+        for i, req in enumerate(requests):
+            start = scored_from(req, spec) if req.restep else None
+            if start is not None:
+                scored[i] = (list(req.prefix_ids), start)
+        scores = dict(zip(scored, self.score_prefixes(list(scored.values()), spec.label))) if scored else {}
         results = []
-        for req, (ids, _), same, gen in zip(requests, prompts, checks, generated):
+        for i, (req, (ids, _), same, gen) in enumerate(zip(requests, prompts, checks, generated)):
             prefix_len = len(ids) - 1
             expected = self.expected_cached(len(ids)) if source == "decode_kv" else None
             verified = same
@@ -402,7 +437,7 @@ class VLLMEngine:
             results.append(ContinuationResult(
                 gen.token_ids, gen.finish_reason, verified, prefix_len, gen.topk_ids[0], gen.topk_logprobs[0],
                 chained_digests(gen.raw[:1])[0], None, cached_tokens=gen.cached_tokens,
-                expected_cached_tokens=expected))
+                expected_cached_tokens=expected, prefix_logprobs=scores.get(i)))
         return results
 
 
@@ -416,6 +451,12 @@ def refeed_salt(label: str) -> str:
     """One salt per re-feed source (its label: kind and tag): never equal to a rollout salt, so no decode-time
     block can be read, and a re-feed's replica (another tag) never reads the re-feed's own prefills."""
     return f"pass:{label}"
+
+
+def score_salt(label: str) -> str:
+    """The salt of a pass's prefix-scoring requests (``VLLMEngine.score_prefixes``): never a pass's or a
+    rollout's, so scoring reads and leaves no block that the pass's own requests use."""
+    return f"score:{label}"
 
 
 def write_recipe(recipe: dict, path: Path) -> str:

@@ -1,8 +1,28 @@
+rule prefix_mismatch:
+    localrule: True
+    input:
+        rollouts=rollouts_file("{config}"),
+        pivots=pivots_file("{config}"),
+        passes=lambda w: [pass_file(w.config, p) for p in RUN_PASSES],
+    output:
+        mismatch_file("{config}"),
+    params:
+        code=code_version("prefix_mismatch"),
+        passes=RUN_PASSES,
+    log:
+        f"{LOGS}/prefix_mismatch/{{config}}.log",
+    conda:
+        "../../envs/analysis.yaml"
+    script:
+        "../scripts/prefix_mismatch.py"
+
+
 rule compare_passes:
     localrule: True
     input:
         credit=lambda w: [credit_file(w.config, p) for p in RUN_PASSES],
         passes=lambda w: [pass_file(w.config, p) for p in RUN_PASSES],
+        mismatch=mismatch_file("{config}"),
     output:
         comparison=comparison_file("{config}"),
         channels=report(

@@ -154,6 +154,11 @@ def channels_file(config_name):
     return f"results/analysis/{config_name}/channels.csv"
 
 
+def mismatch_file(config_name):
+    """Per pivot and pass that builds its prefix: the decode-time against the re-fed prefix log-probs."""
+    return f"results/analysis/{config_name}/mismatch.parquet"
+
+
 def table_file(name, ext):
     return f"results/tables/{name}.{ext}"
 

@@ -9,6 +9,7 @@ from replaynoise.analysis import cache_summary, compare_passes, comparison_setti
 from replaynoise.channels import assert_all_identical, channel_agreement  # noqa: E402
 from replaynoise.controls import control_summary  # noqa: E402
 from replaynoise.io import read_parquet, write_json, write_text  # noqa: E402
+from replaynoise.mismatch import mismatch_summary  # noqa: E402
 from replaynoise.stats import probe_deltas  # noqa: E402
 
 p = snakemake.params
@@ -21,6 +22,9 @@ result.update(config=snakemake.wildcards.config, kernels=p.kernels, analysis_has
               prefix_cache=cache_summary(passes),
               controls=control_summary(passes, credit, metric=settings["metric"], n_boot=settings["n_boot"],
                                        seed=settings["seed"], ci=settings["ci"]))
+result["prefix_mismatch"] = mismatch_summary(read_parquet(snakemake.input.mismatch), credit, result,
+                                             config=snakemake.wildcards.config, metric=settings["metric"],
+                                             min_eligible=settings["min_eligible"], ci=settings["ci"])
 channels = channel_agreement(passes, credit)
 print(channels, file=sys.stderr)
 if p.kernels == "invariant":

@@ -1,0 +1,187 @@
+"""The prefix mismatch channel: the frameworks' metrics against their direct formulas, the decode-time log-prob of
+every sampled token in each HF rollout path, the re-feed's prefill log-probs (which must not change the pass), the
+channel exactly zero under invariant kernels, and the link to credit flips."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
+from replaynoise.engines.hf import HFEngine
+from replaynoise.mismatch import METRICS, credit_link, mismatch_rows, mismatch_summary, token_metrics
+from tinymodel import VOCAB, Tokenizer, tiny_llama
+
+ROLLOUT = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=14)
+CONTINUE = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=6)
+SHAPE = dict(invariant_rows=4, invariant_context=64)
+#: the engines of every HF path: (kernels, decode); the invariant static one is the batched invariant decoder
+PATHS = [("stock", "dynamic"), ("stock", "static"), ("invariant", "dynamic"), ("invariant", "static")]
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+def test_each_metric_matches_its_direct_formula():
+    decode = np.array([-0.1, -2.3, -0.7, -4.0, -0.01])
+    refeed = np.array([-0.12, -2.0, -0.7, -4.5, -0.02])
+    p, q = np.exp(decode), np.exp(refeed)
+    d = np.abs(p - q)
+    out = token_metrics(decode, refeed)
+    assert out["n_tokens"] == 5
+    assert out["rollout_probs_diff_max"] == pytest.approx(d.max(), rel=1e-12)
+    assert out["rollout_probs_diff_mean"] == pytest.approx(d.sum() / 5, rel=1e-12)
+    assert out["rollout_probs_diff_std"] == pytest.approx(np.sqrt(((d - d.mean()) ** 2).sum() / 4), rel=1e-12)
+    cov = ((p - p.mean()) * (q - q.mean())).sum()
+    pearson = cov / np.sqrt(((p - p.mean()) ** 2).sum() * ((q - q.mean()) ** 2).sum())
+    assert out["rollout_actor_probs_pearson_corr"] == pytest.approx(pearson, rel=1e-12)
+    r = refeed - decode  # log pi_train - log pi_rollout, as verl's and NeMo-RL's k3
+    assert out["k3_kl"] == pytest.approx(np.mean(np.exp(r) - r - 1), rel=1e-9)
+    assert out["share_identical"] == pytest.approx(1 / 5)
+
+
+def test_metrics_are_zero_on_identical_log_probs_and_undefined_where_they_must_be():
+    same = token_metrics(np.array([-0.5, -1.5]), np.array([-0.5, -1.5]))
+    assert same["rollout_probs_diff_max"] == same["k3_kl"] == same["rollout_probs_diff_std"] == 0.0
+    assert same["share_identical"] == 1.0 and same["rollout_actor_probs_pearson_corr"] == pytest.approx(1.0)
+    one = token_metrics(np.array([-0.5]), np.array([-0.4]))
+    assert one["rollout_probs_diff_std"] is None and one["rollout_actor_probs_pearson_corr"] is None
+    assert all(token_metrics(np.zeros(0), np.zeros(0))[m] is None for m in METRICS)
+    with pytest.raises(ValueError, match="differ in length: 2 and 1"):
+        token_metrics(np.zeros(2), np.zeros(1))
+
+
+# ------------------------------------------------------------------------------------------------ engines
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(torch.bfloat16)
+
+
+def engine(model, kernels: str, decode: str) -> HFEngine:
+    return HFEngine(model, Tokenizer(), kernels=kernels, decode=decode, topk=VOCAB, **SHAPE)
+
+
+def made(eng: HFEngine, kv_dir):
+    reqs = [RolloutRequest(f"p{i}", tuple(range(1, 3 + 3 * i)), seed=100 + i) for i in range(5)]
+    return eng.generate_rollouts(reqs, ROLLOUT, kv_dir, lambda r: len(r.prompt_ids) + len(r.response_ids) - 1)
+
+
+def rows_of(rollouts, scored: bool) -> list[ContinuationRequest]:
+    """Two rows per pivot, at every interior position; the first row of each pivot measures it."""
+    return [ContinuationRequest(pivot_id=f"{r.problem_id}@{t}", branch="orig", k=k, seed=7 * t + k,
+                                prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]), branch_token=r.response_ids[t],
+                                kv_file=r.kv_file, kv_sha256=r.kv_sha256, expected_digest=r.logits_digests[t],
+                                restep=k == 0, response_start=len(r.prompt_ids) if scored else None)
+            for r in rollouts for t in range(1, len(r.response_ids) - 1) for k in (0, 1)]
+
+
+@pytest.mark.parametrize("kernels,decode", PATHS)
+def test_every_rollout_path_keeps_each_sampled_tokens_own_log_prob(model, kernels, decode, tmp_path):
+    """The log-prob stored for each response token is the one the step's log-softmax gave it: with the top-k
+    as wide as the vocabulary, the very entry of that token in the step's top-k, bit for bit."""
+    for r in made(engine(model, kernels, decode), tmp_path):
+        assert len(r.token_logprobs) == len(r.response_ids)
+        for token, ids, values, own in zip(r.response_ids, r.topk_ids, r.topk_logprobs, r.token_logprobs):
+            assert own == values[ids.index(token)]
+
+
+@pytest.mark.parametrize("kernels,decode", PATHS)
+def test_the_refeed_scores_its_prefix_once_per_pivot_without_changing_the_pass(model, kernels, decode, tmp_path):
+    """A scored re-feed batch gives every row what the unscored one gives, and on each pivot's measuring row the
+    log-probs its own prefill gave the prefix's response tokens: near the decode-time ones under stock kernels,
+    the same bits under invariant kernels (the channel is exactly zero there)."""
+    eng = engine(model, kernels, decode)
+    rollouts = made(eng, tmp_path)
+    plain, scored = rows_of(rollouts, False), rows_of(rollouts, True)
+    a, b = eng.run_batch(plain, "refeed_ids", CONTINUE), eng.run_batch(scored, "refeed_ids", CONTINUE)
+    for x, y in zip(a, b):
+        assert (x.token_ids, x.next_topk_ids, x.next_topk_logprobs, x.next_digest, x.kv_maxdiff) == (
+            y.token_ids, y.next_topk_ids, y.next_topk_logprobs, y.next_digest, y.kv_maxdiff)
+        assert x.prefix_logprobs is None
+    by_id = {r.problem_id: r for r in rollouts}
+    for req, res in zip(scored, b):
+        if not req.restep:
+            assert res.prefix_logprobs is None
+            continue
+        r, t = by_id[req.pivot_id.split("@")[0]], int(req.pivot_id.split("@")[1])
+        decode_time = r.token_logprobs[:t]
+        assert len(res.prefix_logprobs) == t
+        if kernels == "invariant":
+            assert res.prefix_logprobs == decode_time
+        else:
+            assert max(abs(u - v) for u, v in zip(res.prefix_logprobs, decode_time)) < 0.1
+    resumed = eng.run_batch(scored, "decode_kv", CONTINUE)
+    assert all(res.prefix_logprobs is None for res in resumed)  # no prefix computed: nothing to score
+
+
+def test_a_retokenized_prefix_is_scored_only_where_its_ids_are_the_rollouts(model, tmp_path):
+    eng = engine(model, "stock", "dynamic")
+    rollouts = made(eng, tmp_path)
+    rows = [req for req in rows_of(rollouts, True) if req.restep][:2]
+    same = replace(rows[0], text_prefix_ids=rows[0].prefix_ids)
+    other = replace(rows[1], text_prefix_ids=rows[1].prefix_ids[:-1] + (5,))
+    out = eng.run_batch([same, other], "refeed_text", CONTINUE)
+    assert out[0].prefix_logprobs is not None and out[1].prefix_logprobs is None
+
+
+# ------------------------------------------------------------------------------------------------ analysis
+
+def synthetic(n_problems: int = 10, per: int = 6, seed: int = 0):
+    """Pivots whose re-feed flips its estimate more often the larger its prefix mismatch; the replica never."""
+    rng = np.random.default_rng(seed)
+    pivots, credit_rows, mism = [], {"exact": [], "replica": [], "refeed": []}, []
+    for p in range(n_problems):
+        for j in range(per):
+            pid, k3 = f"q{p}.r0@{j + 1}", float(10 ** rng.uniform(-6, -1))
+            flip = rng.random() < (0.8 if k3 > 1e-3 else 0.1)
+            pivots.append({"pivot_id": pid, "problem_id": f"q{p}", "rollout": 0, "t": 2})
+            base = {"pivot_id": pid, "problem_id": f"q{p}", "margin": 0.1, "t": 2, "k": 4, "eligible": True,
+                    "n_orig_correct": 3, "n_sub_correct": 1, "n_rows": 8}
+            credit_rows["exact"].append({**base, "a_hat": 0.5})
+            credit_rows["replica"].append({**base, "a_hat": 0.5})
+            credit_rows["refeed"].append({**base, "a_hat": -0.5 if flip else 0.5})
+            mism.append({"pass": "refeed", "pivot_id": pid, "problem_id": f"q{p}", "rollout": 0, "t": 2,
+                         "n_tokens": 2, "share_identical": 0.0, **{m: k3 for m in METRICS},
+                         "decode_logprobs": [-0.5, -1.0], "refeed_logprobs": [-0.5 - k3, -1.0 + k3]})
+    credit = {name: pl.DataFrame(rows) for name, rows in credit_rows.items()}
+    return pl.DataFrame(pivots), credit, pl.DataFrame(mism)
+
+
+def test_the_link_finds_flips_that_follow_the_mismatch():
+    _, credit, mism = synthetic()
+    link = credit_link(mism, credit, conditioning="main", metric="sign", min_eligible=10, ci=0.95)
+    assert link["available"] and link["n"] == 60 and link["floor_flip_rate"] == 0.0
+    assert link["auc"]["k3_kl"] > 0.7
+    fit = link["logit"]["k3_kl"]
+    assert fit["reason"] is None and fit["coef_per_sd"] > 0 and fit["ci_lo"] > 0 and fit["n_clusters"] == 10
+    assert [b["n"] for b in link["bins"]] == [15] * 4
+    assert link["bins"][-1]["refeed_flip_rate"] > link["bins"][0]["refeed_flip_rate"]
+
+
+def test_the_summary_pools_tokens_and_says_the_sentence_with_the_tables_excess():
+    _, credit, mism = synthetic()
+    comparison = {"metric": "sign", "conditionings": {"main": {"excess_pp": {"estimate": 12.34}}}}
+    out = mismatch_summary(mism, credit, comparison, config="cfg", metric="sign", min_eligible=10, ci=0.95)
+    pooled = out["passes"]["refeed"]
+    assert pooled["n_pivots"] == 60 and pooled["n_tokens"] == 120
+    assert set(out["not_scored"]) == {"exact", "replica"}
+    assert out["sentence"].startswith(f"cfg: at this configuration's mean k3_kl of {pooled['k3_kl']:.3g}, "
+                                      "re-feed flips +12.3% of decision-token credits beyond the floor")
+
+
+def test_mismatch_rows_set_the_passes_prefix_against_the_rollouts_tokens():
+    rollouts = pl.DataFrame({"problem_id": ["q"], "rollout": [0], "response_logprobs": [[-0.1, -0.2, -0.3]]})
+    pivots = pl.DataFrame({"pivot_id": ["q.r0@2"], "problem_id": ["q"], "rollout": [0], "t": [2]})
+    refeed = pl.DataFrame({"pivot_id": ["q.r0@2"] * 2, "prefix_logprobs": [[-0.1, -0.25], None]})
+    exact = pl.DataFrame({"pivot_id": ["q.r0@2"], "prefix_logprobs": [None]}, schema_overrides={
+        "prefix_logprobs": pl.List(pl.Float64)})
+    rows = mismatch_rows(rollouts, pivots, {"exact": exact, "refeed": refeed})
+    assert rows["pass"].to_list() == ["refeed"] and rows["n_tokens"].to_list() == [2]
+    assert rows["decode_logprobs"].to_list() == [[-0.1, -0.2]]
+    bad = refeed.with_columns(pl.Series("prefix_logprobs", [[-0.1], None], dtype=pl.List(pl.Float64)))
+    with pytest.raises(ValueError, match="pass 'refeed', pivot 'q.r0@2': 1 re-fed log-probs for a prefix of 2"):
+        mismatch_rows(rollouts, pivots, {"refeed": bad})
