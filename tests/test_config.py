@@ -347,9 +347,9 @@ def test_snakemake_dry_run_lists_the_whole_pipeline(tmp_path):
     expected = {"sample_problems", "prepare_model", "generate_rollouts", "select_pivots", "replay_exact",
                 "replay_replica", "replay_refeed", "compute_credit", "compare_passes",
                 "compare_pooled", "headline_tables", "manifest", "all", "gather_rollouts", "gather_pass",
-                "cost_report", "index_kv"}
+                "cost_report", "index_kv", "prefix_mismatch"}
     figures = {f"figure_{name}" for name in ("disagreement", "kinds_of_change", "jaccard_sweep", "diff_histogram",
-                                             "disagreement_vs_margin", "channel_agreement")}
+                                             "disagreement_vs_margin", "channel_agreement", "mismatch_flips")}
     assert set(jobs) == expected | figures, output
     assert jobs["compute_credit"] == jobs["gather_pass"] == 3  # one configuration x three passes
     assert jobs["generate_rollouts"] == 1 and jobs["replay_exact"] == 1  # 16 problems fit one shard of 50
