@@ -28,20 +28,22 @@ include: "workflow/rules/cost.smk"
 # Snakemake would keep a missing intermediate whose downstream files still exist.
 rule all:
     default_target: True
-    localrule: True
     input:
         manifest_inputs,
         MANIFEST,
         PROVENANCE,
         cost_file("md"),
         cost_file("csv"),
+    localrule: True
 
 
 # What this machine lacks for a configuration (vLLM, a GPU) stops the run before its first job; onstart runs
 # only when jobs are about to run (not in a dry run) and is skipped for jobs a cluster's nodes run.
 onstart:
     if workflow.local_exec:
-        _missing = platform_problems(config, conda=DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method)
+        _missing = platform_problems(
+            config, conda=DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method
+        )
         if _missing:
             raise WorkflowError("this machine cannot run the configuration:\n  " + "\n  ".join(_missing))
 
@@ -53,5 +55,7 @@ onsuccess:
             print(run_summary(table_file("headline", "csv")))
         except Exception as exc:
             print(f"(no summary: {table_file('headline', 'csv')} could not be read: {exc})")
-        print("Tables: results/tables/headline.{md,csv,tex}; figures: results/figures/; "
-              "every file's sha256: results/MANIFEST.sha256")
+        print(
+            "Tables: results/tables/headline.{md,csv,tex}; figures: results/figures/; "
+            "every file's sha256: results/MANIFEST.sha256"
+        )

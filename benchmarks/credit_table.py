@@ -18,10 +18,12 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replaynoise.analysis import compare_passes, comparison_settings  # noqa: E402
-from replaynoise.tables import headline_rows  # noqa: E402
 from replaynoise.config import analysis_hash, validate_config  # noqa: E402
 from replaynoise.credit import read_credit_grid  # noqa: E402
-from replaynoise.tables import render_markdown  # noqa: E402
+from replaynoise.tables import (
+    headline_rows,  # noqa: E402
+    render_markdown,  # noqa: E402
+)
 
 
 def main() -> None:

@@ -15,11 +15,11 @@ import argparse
 import json
 import re
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import polars as pl
 import yaml
-from importlib.metadata import version
 
 from replaynoise.config import validate_config
 from replaynoise.provenance import hardware

@@ -198,7 +198,7 @@ def cpu(args) -> dict:
                                                "cpu")
     from replaynoise.replay import make_schedule, schedule_seed
 
-    for repeat in range(args.repeats):
+    for _ in range(args.repeats):
         for p, source in PASS_SOURCES.items():
             batches = make_schedule(len(requests[p]), args.batch_size, schedule_seed(config["seed"], name, p))
             res = run_pass(engine, requests[p], source, sampling, batches, "cpu")
@@ -206,7 +206,7 @@ def cpu(args) -> dict:
     if args.compare_native:  # the same passes with torch's own bf16 CPU kernel (a fresh copy of the model)
         native_model, _ = load_model(model_dir, settings["dtype"], "cpu")
         native = HFEngine(native_model, tokenizer, kernels=settings["kernels"], cpu_matmul="native")
-        for repeat in range(args.repeats):
+        for _ in range(args.repeats):
             for p in ("exact", "refeed"):
                 batches = make_schedule(len(requests[p]), args.batch_size, schedule_seed(config["seed"], name, p))
                 out.setdefault(f"{p}_native", []).append(
@@ -241,7 +241,8 @@ def qwen25_05b(device: str, tiny: bool = False):
 def roofline(model, rows: int, context: float) -> dict:
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())  # tied: embedding and LM head counted once
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
     logits = rows * cfg.vocab_size * (2 + 4)  # bf16 written, read as float32 once by the sampler (lower bound)
     nbytes = params * 2 + rows * context * kv_per_token + logits
     flops = 2 * rows * params + 4 * rows * context * cfg.num_hidden_layers * cfg.hidden_size
@@ -255,7 +256,8 @@ def gpu(args) -> dict:
     vocab = model.config.vocab_size
     tokenizer = SimpleNamespace(eos_token_id=model.config.eos_token_id, pad_token_id=0)
     engine = HFEngine(model, tokenizer, decode=args.decode)
-    out = {"mode": "gpu", "device": torch.cuda.get_device_name() if device == "cuda" else device, "torch": torch.__version__,
+    out = {"mode": "gpu", "device": torch.cuda.get_device_name() if device == "cuda" else device,
+           "torch": torch.__version__,
            "decode": "static" if engine.static else "dynamic"}
     sampling = SamplingSettings(1.0, 1.0, args.new_tokens)
     k, n_max = args.k, max(args.batches)
@@ -298,7 +300,7 @@ def gpu(args) -> dict:
         reqs = requests[:b]
         row = {"batch": b}
         engine.run_batch(reqs, "decode_kv", sampling)  # warm-up: prefix states, graph capture
-        res, sec = timed(lambda: engine.run_batch(reqs, "decode_kv", sampling), device)
+        res, sec = timed(lambda: engine.run_batch(reqs, "decode_kv", sampling), device)  # noqa: B023 (called at once)
         tokens = sum(len(r.token_ids) for r in res)
         row.update(engine_tok_s=tokens / sec, engine_step_ms=1e3 * sec / args.new_tokens,
                    verified=sum(r.verified for r in res) / b)
@@ -374,7 +376,8 @@ def table(out: dict) -> str:
         for p in (*PASS_SOURCES, "exact_native", "refeed_native"):  # the native ones with --compare-native
             if p in out:
                 mid = median_run(out[p])
-                lines.append(f"{'pass ' + p + ' (median)':<34}{mid['tok_s']:>10.1f}{mid['seconds']:>10.1f}{mid['tokens']:>8}")
+                lines.append(f"{'pass ' + p + ' (median)':<34}{mid['tok_s']:>10.1f}{mid['seconds']:>10.1f}"
+                             f"{mid['tokens']:>8}")
         for key in ("naive_native", "naive_same_kernels"):
             r = out[key]
             lines.append(f"{key:<34}{r['tok_s']:>10.1f}{r['seconds']:>10.1f}{r['tokens']:>8}")
@@ -389,7 +392,8 @@ def table(out: dict) -> str:
         for r in out["sweep"]:
             lines.append(f"{r['batch']:>6}{r['engine_tok_s']:>14.0f}{r['engine_step_ms']:>9.2f}"
                          f"{r['roofline_step_ms']:>13.3f}{r['roofline_fraction']:>10.2f}"
-                         f"{r['hf_generate_static_tok_s']:>12.0f}{r.get('hf_generate_dynamic_tok_s', float('nan')):>13.0f}"
+                         f"{r['hf_generate_static_tok_s']:>12.0f}"
+                         f"{r.get('hf_generate_dynamic_tok_s', float('nan')):>13.0f}"
                          f"{r['speedup_vs_static_generate']:>10.1f}")
         for p in PASS_SOURCES:
             runs = ", ".join(f"{x:.2f}" for x in out[p]["seconds_all"])
@@ -397,7 +401,8 @@ def table(out: dict) -> str:
                          f"(cold prefix states; building them alone: {out[p]['prefix_state_seconds']:.2f} s)")
         lines.append(f"exact/refeed cost ratio (median of repeats): {out['exact_over_refeed']:.2f}; "
                      f"mean prefix {out['prefix_len_mean']:.0f} tokens, {out['pivots']} pivots")
-        lines.append(f"naive per-pivot generate(): {out['naive']['tok_s']:.0f} tok/s over {out['naive']['calls']} calls")
+        naive = out["naive"]
+        lines.append(f"naive per-pivot generate(): {naive['tok_s']:.0f} tok/s over {naive['calls']} calls")
     lines.append(f"KV bytes per rollout token: {out['kv_bytes_per_rollout_token']:.0f}")
     lines.append(f"peak memory: {out.get('peak_rss_mib', out.get('peak_gpu_mib')):.0f} MiB; vLLM: {out['vllm']}")
     return "\n".join(lines)

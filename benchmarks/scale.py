@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import math
 import shutil
 import sys
@@ -30,9 +29,9 @@ from pathlib import Path
 import polars as pl
 import torch
 import yaml
+from pipeline import rows_for
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pipeline import rows_for
 from replaynoise.config import validate_config
 from replaynoise.io import read_json, write_json
 from replaynoise.models import prepare_model
@@ -209,17 +208,20 @@ def report(run: Path, configfile: Path, out: Path | None, commit: str | None = N
     return record
 
 
+def _percent(fractions: dict, key: str) -> str:
+    return f"{100 * fractions[key]:.0f}%" if fractions else "-"
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| rule | config | rows | loop tok/s | job tok/s | ms/step (rows) | compute | memory | fixed s |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         f = r.get("roofline") or {}
         step = f"{f['decode_ms_per_step']:.1f} ({f['rows_per_step']})" if f else "-"
-        frac = lambda key: f"{100 * f[key]:.0f}%" if f else "-"  # noqa: E731
         loop = f"{r['loop_tokens_per_s']:,.0f}" if r["loop_tokens_per_s"] else "-"
         fixed = f"{r['fixed_cost']['seconds']:.1f}" if r.get("fixed_cost") else "-"
         lines.append(f"| {r['rule']} | {r['config']} | {r['rows']} | {loop} | {r['tokens_per_s']:,.0f} | {step} | "
-                     f"{frac('compute_fraction')} | {frac('memory_fraction')} | {fixed} |")
+                     f"{_percent(f, 'compute_fraction')} | {_percent(f, 'memory_fraction')} | {fixed} |")
     return "\n".join(lines)
 
 

@@ -21,9 +21,24 @@ import polars as pl
 
 from replaynoise.passes import REQUIRED_PASSES
 from replaynoise.stats import (
-    METRIC_DEFINITIONS, METRICS, check_metric, classify_changes, cluster_ols_mean, Clusters, disagree,
-    eligibility_sources, lattice_thetas, margin_split as margin_split_rates, mcnemar_z, mean_zero_unclustered,
-    per_problem_t, probe_summary, ratio_stat, selection_at,
+    METRIC_DEFINITIONS,
+    METRICS,
+    Clusters,
+    check_metric,
+    classify_changes,
+    cluster_ols_mean,
+    disagree,
+    eligibility_sources,
+    lattice_thetas,
+    mcnemar_z,
+    mean_zero_unclustered,
+    per_problem_t,
+    probe_summary,
+    ratio_stat,
+    selection_at,
+)
+from replaynoise.stats import (
+    margin_split as margin_split_rates,
 )
 
 SELECTOR_PASS = "selector"

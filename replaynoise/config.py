@@ -16,8 +16,13 @@ import jsonschema
 import yaml
 
 from replaynoise.io import stable_hash
-from replaynoise.models import (attention_heads, check_local_model_dir, context_length, model_source_files,
-                                resolve_model_spec)
+from replaynoise.models import (
+    attention_heads,
+    check_local_model_dir,
+    context_length,
+    model_source_files,
+    resolve_model_spec,
+)
 from replaynoise.passes import canonical_order, pass_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -107,7 +107,8 @@ def plot_transplant_layers(results: Mapping[str, dict] | None, out_png: PathLike
         return
     fig = new_figure(10.0, 3.8)
     axes = fig.subplots(1, 2, sharey=True)
-    for ax, side, label in ((axes[0], "lo", "re-fed KV in layers [0, L)"), (axes[1], "hi", "re-fed KV in layers [L, n)")):
+    sides = ((axes[0], "lo", "re-fed KV in layers [0, L)"), (axes[1], "hi", "re-fed KV in layers [L, n)"))
+    for ax, side, label in sides:
         for i, (cfg, block) in enumerate(data.items()):
             for channel, style in (("token_ids", "-o"), ("next_topk", ":s")):
                 points = layer_curve(block, side, channel)
@@ -178,7 +179,8 @@ def render_controls_markdown(transplant: pl.DataFrame, precision: pl.DataFrame, 
              f"analysis hash {analysis_hash}; shares in %, 95% problem-cluster bootstrap CIs in brackets.", ""]
     if transplant.height:
         lines += ["## Cache transplants", "",
-                  "| config | pass | donor → recipient | layers | tokens: with donor / with recipient | tokens: follows "
+                  "| config | pass | donor → recipient | layers | tokens: with donor / with recipient "
+                  "| tokens: follows "
                   "donor where they differ (n) | first step: follows donor (n) | Â: follows donor (n) |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in transplant.iter_rows(named=True):
@@ -218,13 +220,11 @@ def write_controls_table(results: Mapping[str, dict], analysis_hash: str, out_cs
                      and not isinstance(v, bool)]
     csv = pl.DataFrame(long, schema={"config": pl.String, "pass": pl.String, "control": pl.String,
                                      "arm": pl.String, "statistic": pl.String, "value": pl.Float64})
-    with atomic_path(out_csv) as tmp:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(f"# analysis_hash={analysis_hash}\n")
-            fh.write(csv.write_csv())
-    with atomic_path(out_md) as tmp:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(render_controls_markdown(transplant, precision, analysis_hash))
+    with atomic_path(out_csv) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(f"# analysis_hash={analysis_hash}\n")
+        fh.write(csv.write_csv())
+    with atomic_path(out_md) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(render_controls_markdown(transplant, precision, analysis_hash))
 
 
 # ---------------------------------------------------------------------------------------------- floors
@@ -284,10 +284,8 @@ def render_floors_markdown(rows: pl.DataFrame, analysis_hash: str) -> str:
 def write_floors_table(results: Mapping[str, dict], analysis_hash: str, out_csv: PathLike, out_md: PathLike) -> None:
     """floors.csv (one row per configuration, conditioning and pass) and floors.md."""
     rows = floor_rows(results)
-    with atomic_path(out_csv) as tmp:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(f"# analysis_hash={analysis_hash}\n")
-            fh.write(rows.drop("text").write_csv())
-    with atomic_path(out_md) as tmp:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(render_floors_markdown(rows, analysis_hash))
+    with atomic_path(out_csv) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(f"# analysis_hash={analysis_hash}\n")
+        fh.write(rows.drop("text").write_csv())
+    with atomic_path(out_md) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(render_floors_markdown(rows, analysis_hash))

@@ -11,7 +11,6 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
 
-
 # ---------------------------------------------------------------------------------------------------- numbers
 
 _LATEX_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox|textnormal)\s*\{([^{}]*)\}")

@@ -17,7 +17,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-
 from replaynoise.io import ChecksumError, atomic_path, check_sha256, folder_lock, fsync_path
 
 #: How much of pip's stderr goes into an error message: enough for the real cause, not the whole log.

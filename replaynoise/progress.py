@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -82,8 +83,8 @@ def process_seconds() -> float | None:
     """Seconds since this process started (Linux; None elsewhere): a job's time before its first line of work,
     its imports, which no timer inside the process can see."""
     try:
-        fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
-        uptime = float(open("/proc/uptime").read().split()[0])
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
         return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None

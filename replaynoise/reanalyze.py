@@ -31,12 +31,11 @@ import polars as pl
 
 from replaynoise import figures
 from replaynoise.analysis import compare_passes, verification_summary
-from replaynoise.tables import headline_rows
 from replaynoise.config import load_schema
 from replaynoise.credit import CREDIT_COLUMNS, eligible_expr
 from replaynoise.io import sha256_file, stable_hash, write_json, write_text
 from replaynoise.stats import PROBE_SCHEMA
-from replaynoise.tables import render_table1, write_headline_tables
+from replaynoise.tables import headline_rows, render_table1, write_headline_tables
 
 #: Our pass name -> the record key of its estimate.
 PASS_KEYS = {"exact": "A_exact1", "replica": "A_exact2", "refeed": "A_refeed"}

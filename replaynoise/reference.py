@@ -37,10 +37,9 @@ import polars as pl
 
 from replaynoise import control_report, figures
 from replaynoise.analysis import compare_passes, comparison_settings, pooled_comparison
-from replaynoise.tables import headline_rows
 from replaynoise.config import analysis_hash
 from replaynoise.io import read_json, read_parquet, sha256_file, write_json
-from replaynoise.tables import write_headline_tables
+from replaynoise.tables import headline_rows, write_headline_tables
 
 #: How far a rebuilt number may move from the committed one and still be the same result (last-bit drift of
 #: floating point on another CPU; a real difference in a pivot moves a rate by 1/n, far more)
@@ -195,7 +194,8 @@ def compare(reference: Path, results: Path, out=None) -> bool:
         print(f"The analysis hashes differ ({reference}: {hashes[0]}, {results}: {hashes[1]}): the two runs had "
               "different protocol settings (compare 'config' in their provenance.json files), so their results "
               "are expected to differ; this is not last-bit drift.", file=out)
-    outcome = compare_manifests(read_manifest(reference / "MANIFEST.sha256"), read_manifest(results / "MANIFEST.sha256"))
+    outcome = compare_manifests(read_manifest(reference / "MANIFEST.sha256"),
+                                read_manifest(results / "MANIFEST.sha256"))
     total = len(outcome.identical) + len(outcome.differing) + len(outcome.missing)
     print(f"{len(outcome.identical)} of {total} reference files identical (sha256), {len(outcome.differing)} "
           f"differ, {len(outcome.missing)} missing from the rerun, {len(outcome.extra)} only in the rerun", file=out)
@@ -367,7 +367,8 @@ def check_rebuild(reference: Path, out: Path, written: list[Path], report=None) 
         figure = rel.startswith("figures/")
         failed |= not figure
         state = "absent from the manifest" if rel not in manifest else "differs"
-        note = " (a figure: its bytes follow the drawing code and matplotlib too; see provenance.json)" if figure else ""
+        note = (" (a figure: its bytes follow the drawing code and matplotlib too; see provenance.json)" if figure
+                else "")
         print(f"  {state}: {rel}{note}", file=report)
         if rel.endswith(".csv") and committed.is_file():
             for line in table_differences(committed, path):

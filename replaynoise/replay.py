@@ -17,13 +17,14 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from replaynoise.grading import extract_answer, is_correct
 from replaynoise.engines.base import ContinuationRequest, Engine, SamplingSettings
-from replaynoise.seeds import derive_seed
-from replaynoise.progress import Phases, TokenProgress
+from replaynoise.grading import extract_answer, is_correct
 from replaynoise.io import intact_scratch, keyed_scratch, write_parquet
 from replaynoise.passes import BRANCHES, pass_spec, schedule_of
+from replaynoise.progress import Phases, TokenProgress
+from replaynoise.seeds import derive_seed
 from replaynoise.shards import batch_range
+
 
 def continuation_seed(seed: int, config_name: str, pivot_id: str, branch: str, k: int, noise: str) -> int:
     """Common random numbers: the seed ignores the pass, so every 'crn' pass draws the same noise per row."""

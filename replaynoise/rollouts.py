@@ -18,12 +18,12 @@ from pathlib import Path
 import polars as pl
 
 from replaynoise.datasets import read_problems
-from replaynoise.grading import extract_answer, is_correct
 from replaynoise.engines.base import Engine, Rollout, RolloutRequest, SamplingSettings
-from replaynoise.seeds import derive_seed
+from replaynoise.grading import extract_answer, is_correct
+from replaynoise.io import intact_scratch, keyed_scratch, write_parquet
 from replaynoise.pivots import PivotRules, rollout_pivots
 from replaynoise.progress import TokenProgress
-from replaynoise.io import intact_scratch, keyed_scratch, write_parquet
+from replaynoise.seeds import derive_seed
 
 PROMPT_STYLES = ("chat", "plain")
 #: What a problem whose prompt leaves its rollout too few of the context's positions gets (rollouts.long_prompts):
@@ -195,7 +195,7 @@ def generate(engine: Engine, problems: pl.DataFrame, *, config_name: str, seed: 
         def keep_len(r: Rollout) -> int:
             if r.problem_id not in own:
                 return 0  # another shard's row, generated only for its batch's sake: nothing kept
-            span = spans[(r.problem_id, r.rollout)] = answer_token_span(tokenizer, r.response_ids)
+            span = spans[(r.problem_id, r.rollout)] = answer_token_span(tokenizer, r.response_ids)  # noqa: B023
             _, chosen = rollout_pivots({"problem_id": r.problem_id, "rollout": r.rollout, "prompt_ids": r.prompt_ids,
                                         "response_ids": r.response_ids, "topk_ids": r.topk_ids,
                                         "topk_logprobs": r.topk_logprobs, "special_ids": special,

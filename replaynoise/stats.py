@@ -382,7 +382,8 @@ def cluster_ols_mean(y: np.ndarray, groups: np.ndarray, ci: float = 0.95) -> dic
         out.update(se=0.0, reason="cluster sums of residuals cancel exactly: SE is 0, t undefined")
         return out
     lo, hi = res.conf_int(alpha=1.0 - ci)[0]
-    out.update(coef=json_number(res.params[0]), se=json_number(se), t=json_number(res.tvalues[0]), p=json_number(res.pvalues[0]),
+    out.update(coef=json_number(res.params[0]), se=json_number(se), t=json_number(res.tvalues[0]),
+               p=json_number(res.pvalues[0]),
                ci_lo=json_number(lo), ci_hi=json_number(hi))
     return out
 

@@ -21,8 +21,8 @@ PACKAGES = REPO / "resources" / "packages"  # pip-downloaded wheels, shared with
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Iterator[Path]:
     """SmolLM2-135M-Instruct dequantized to bf16 safetensors, through the same code as the prepare_model rule."""
-    from replaynoise.models import prepare_model
     from replaynoise.io import sha256_file
+    from replaynoise.models import prepare_model
 
     out = tmp_path_factory.mktemp("models") / "smollm2-135m-bfloat16"
     prepare_model("smollm2-135m", "bfloat16", out, PACKAGES)

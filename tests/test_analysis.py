@@ -10,16 +10,33 @@ import pytest
 from scipy import stats
 
 from replaynoise.analysis import (
-    CONDITIONINGS, POOLED_PROBE_REASON, compare_passes, pool_credit, pooled_comparison, too_few_note, wide_frame,
+    CONDITIONINGS,
+    POOLED_PROBE_REASON,
+    compare_passes,
+    pool_credit,
+    pooled_comparison,
+    too_few_note,
+    wide_frame,
 )
 from replaynoise.channels import assert_all_identical, channel_agreement, lists_bitwise_equal
-from replaynoise.stats import Clusters, classify_changes, cluster_ols_mean, jaccard, lattice_thetas, selection_at
-from replaynoise.tables import headline_rows
 from replaynoise.credit import CREDIT_COLUMNS, compute_credit
 from replaynoise.stats import (
-    disagree, eligibility_sources, margin_split, mcnemar_z, mean_zero_unclustered, per_problem_t, probe_deltas,
+    Clusters,
+    classify_changes,
+    cluster_ols_mean,
+    disagree,
+    eligibility_sources,
+    jaccard,
+    lattice_thetas,
+    margin_split,
+    mcnemar_z,
+    mean_zero_unclustered,
+    per_problem_t,
+    probe_deltas,
     probe_summary,
+    selection_at,
 )
+from replaynoise.tables import headline_rows
 
 K = 4
 

@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import MODEL_KEY, PACKAGES, TINY, clone_run, planned_rules, seed_model, snakemake, with_setting
 
 pytestmark = pytest.mark.slow

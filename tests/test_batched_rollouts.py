@@ -14,13 +14,13 @@ from dataclasses import replace
 import polars as pl
 import pytest
 import torch
+from tinymodel import Tokenizer, tiny_llama
 
 from replaynoise import replay, rollouts
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
 from replaynoise.engines.hf import HFEngine
 from replaynoise.engines.kvfiles import load_kv_file
 from replaynoise.io import keyed_scratch
-from tinymodel import Tokenizer, tiny_llama
 
 SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=14)
 

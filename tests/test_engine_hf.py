@@ -15,13 +15,16 @@ from replaynoise.credit import compute_credit
 from replaynoise.datasets import load_problems, sample_problems
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import (
-    ContinuationRequest, RolloutRequest, SamplingSettings, VerificationError,
+    ContinuationRequest,
+    RolloutRequest,
+    SamplingSettings,
+    VerificationError,
 )
 from replaynoise.engines.hf import HFEngine
 from replaynoise.engines.kvfiles import load_kv, save_kv
-from replaynoise.pivots import PivotRules, select_pivots
 from replaynoise.io import sha256_file
 from replaynoise.mismatch import mismatch_rows
+from replaynoise.pivots import PivotRules, select_pivots
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +146,7 @@ def test_the_restep_channel_is_measured_once_per_pivot_on_its_first_scheduled_ro
 def test_a_pass_logs_where_its_time_went(stock, tmp_path, capsys):
     engine, frame, pivots, _ = stock
     run(engine, frame, pivots, "refeed", tmp_path, batch_size=4)
-    line = [l for l in capsys.readouterr().err.splitlines() if "time by phase" in l][-1]
+    line = [x for x in capsys.readouterr().err.splitlines() if "time by phase" in x][-1]
     assert all(phase in line for phase in ("prefix states", "decode", "grade", "write (beside the engine)"))
 
 
@@ -319,8 +322,9 @@ def test_static_decode_matches_the_dynamic_decode(family, tmp_path):
     sampling = SamplingSettings(1.0, 1.0, 16)
     (r,) = dynamic.generate_rollouts([RolloutRequest("p", tuple(range(1, 30)), 5)], sampling, tmp_path,
                                      lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1)
-    requests = [ContinuationRequest(f"p@{t}", b, j, 1000 * t + 10 * j + len(b), tuple(r.prompt_ids + r.response_ids[:t]),
-                                    tok_id, r.kv_file, r.kv_sha256, r.logits_digests[t])
+    requests = [ContinuationRequest(f"p@{t}", b, j, 1000 * t + 10 * j + len(b),
+                                    tuple(r.prompt_ids + r.response_ids[:t]), tok_id, r.kv_file, r.kv_sha256,
+                                    r.logits_digests[t])
                 for t in range(2, len(r.response_ids) - 1, 4)
                 for b, tok_id in (("orig", r.response_ids[t]), ("sub", r.topk_ids[t][1])) for j in range(3)]
     a, b = dynamic.run_batch(requests, "decode_kv", sampling), static.run_batch(requests, "decode_kv", sampling)
@@ -350,7 +354,8 @@ def test_static_layer_functions_match_the_layer_modules_bitwise_with_fp32_matmul
     h = torch.randn(rows, 1, 64).to(torch.bfloat16)
     with torch.inference_mode():
         x = layer.input_layernorm(h)
-        ones, zeros = torch.ones(rows, 1, 1, dim, dtype=torch.bfloat16), torch.zeros(rows, 1, 1, dim, dtype=torch.bfloat16)
+        ones = torch.ones(rows, 1, 1, dim, dtype=torch.bfloat16)
+        zeros = torch.zeros(rows, 1, 1, dim, dtype=torch.bfloat16)
         q, k, v = _layer_in(h, ones, zeros, *w_in, eps, fp32, rows, heads, kv_heads, dim)  # RoPE at angle 0
         assert torch.equal(q, layer.self_attn.q_proj(x).view(rows, 1, heads, dim).transpose(1, 2))
         assert torch.equal(v, layer.self_attn.v_proj(x).view(rows, 1, kv_heads, dim).transpose(1, 2))

@@ -10,10 +10,11 @@ import pytest
 
 from replaynoise import figures
 from replaynoise.analysis import CONDITIONINGS, compare_passes
-from replaynoise.tables import HEADLINE_SCHEMA, headline_rows
 from replaynoise.credit import CREDIT_COLUMNS
 from replaynoise.tables import (
+    HEADLINE_SCHEMA,
     PAPER_RANGES,
+    headline_rows,
     paper_range,
     render_table1,
     run_summary,

@@ -18,12 +18,16 @@ from pathlib import Path
 import polars as pl
 import pytest
 import yaml
-
 from conftest import REPO, SNAKEMAKE, TINY, clone_run, planned_rules, seed_model, snakemake, with_setting
+
 from replaynoise import io as rio
 from replaynoise import models, reanalyze, reference, replay, rollouts
 from replaynoise.config import (
-    ConfigError, analysis_hash, overlay_adds_default_configs, platform_problems, validate_config,
+    ConfigError,
+    analysis_hash,
+    overlay_adds_default_configs,
+    platform_problems,
+    validate_config,
 )
 from replaynoise.datasets import load_problems, read_problems
 from replaynoise.engines.base import ContinuationResult, Rollout, SamplingSettings

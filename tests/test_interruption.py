@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, seed_model, snakemake, snakemake_command
 
 pytestmark = pytest.mark.slow

@@ -12,12 +12,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tinymodel import Tokenizer, tiny_llama
 
 from replaynoise.config import ConfigError, validate_config
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
 from replaynoise.engines.hf import HFEngine
 from replaynoise.engines.kvfiles import load_kv_file
-from tinymodel import Tokenizer, tiny_llama
 
 ROLLOUT = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=14)
 CONTINUE = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=10)

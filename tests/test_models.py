@@ -10,22 +10,22 @@ import shutil
 
 import pytest
 import torch
+from conftest import PACKAGES
 from safetensors.torch import load_file, save_file
 
-from conftest import PACKAGES
 from replaynoise import models
+from replaynoise.io import ChecksumError, sha256_file
 from replaynoise.models import (
     PACKAGED_MODELS,
     assemble_gguf,
     check_local_model_dir,
     check_tokenizer,
-    load_tokenizer,
     load_model,
+    load_tokenizer,
     model_source_files,
     model_weights_dir,
     prepare_model,
 )
-from replaynoise.io import ChecksumError, sha256_file
 
 pytestmark = pytest.mark.slow
 

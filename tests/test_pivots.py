@@ -9,7 +9,13 @@ import polars as pl
 import pytest
 
 from replaynoise.pivots import (
-    PIVOT_SCHEMA, PivotRules, candidate_positions, choose_pivots, margins, screened_problems, select_pivots,
+    PIVOT_SCHEMA,
+    PivotRules,
+    candidate_positions,
+    choose_pivots,
+    margins,
+    screened_problems,
+    select_pivots,
 )
 
 MAX_MARGIN = 0.2
@@ -227,10 +233,12 @@ def test_select_pivots_rows_for_hand_built_rollouts():
     assert out.schema == pl.Schema(PIVOT_SCHEMA)
     p1 = out.filter(pl.col("problem_id") == "p1").to_dicts()
     assert p1 == [
-        {"pivot_id": "p1/r0@1", "problem_id": "p1", "rollout": 0, "t": 1, "margin": pytest.approx(0.1), "rollout_correct": True,
-         "prefix_len": 6, "orig_token": 11, "sub_token": 21, "sampled_rank": 0, "n_candidates": 2},
-        {"pivot_id": "p1/r0@3", "problem_id": "p1", "rollout": 0, "t": 3, "margin": pytest.approx(0.1), "rollout_correct": True,
-         "prefix_len": 8, "orig_token": 23, "sub_token": 13, "sampled_rank": 1, "n_candidates": 2},
+        {"pivot_id": "p1/r0@1", "problem_id": "p1", "rollout": 0, "t": 1, "margin": pytest.approx(0.1),
+         "rollout_correct": True, "prefix_len": 6, "orig_token": 11, "sub_token": 21, "sampled_rank": 0,
+         "n_candidates": 2},
+        {"pivot_id": "p1/r0@3", "problem_id": "p1", "rollout": 0, "t": 3, "margin": pytest.approx(0.1),
+         "rollout_correct": True, "prefix_len": 8, "orig_token": 23, "sub_token": 13, "sampled_rank": 1,
+         "n_candidates": 2},
     ]
     assert out.filter(pl.col("problem_id") == "p2").height == 0
     p3 = out.filter(pl.col("problem_id") == "p3")

@@ -10,11 +10,11 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from tinymodel import VOCAB, Tokenizer, tiny_llama
 
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
 from replaynoise.engines.hf import HFEngine
 from replaynoise.mismatch import METRICS, credit_link, mismatch_rows, mismatch_summary, token_metrics
-from tinymodel import VOCAB, Tokenizer, tiny_llama
 
 ROLLOUT = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=14)
 CONTINUE = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=6)

@@ -20,10 +20,16 @@ import yaml
 from replaynoise import provenance
 from replaynoise.config import DEFAULT_CONFIG_PATH, analysis_hash, validate_config
 from replaynoise.io import (
-    ChecksumError, atomic_path, check_sha256, sha256_file, stable_hash, write_json, write_parquet, write_text,
+    ChecksumError,
+    atomic_path,
+    check_sha256,
+    sha256_file,
+    stable_hash,
+    write_json,
+    write_parquet,
+    write_text,
 )
 from replaynoise.provenance import manifest_files, provenance_record, verify_manifest, write_manifest
-
 
 
 class Boom(RuntimeError):
@@ -42,12 +48,11 @@ def current_umask() -> int:
 def test_atomic_path_failure_leaves_no_target_and_no_temp(tmp_path):
     target = tmp_path / "sub" / "out.txt"
     seen = {}
-    with pytest.raises(Boom):
-        with atomic_path(target) as tmp:
-            seen["tmp"] = tmp
-            assert tmp.parent == target.parent and tmp != target
-            tmp.write_text("half-written")
-            raise Boom
+    with pytest.raises(Boom), atomic_path(target) as tmp:
+        seen["tmp"] = tmp
+        assert tmp.parent == target.parent and tmp != target
+        tmp.write_text("half-written")
+        raise Boom
     assert not target.exists()
     assert not seen["tmp"].exists()
     assert list(target.parent.iterdir()) == []
@@ -56,10 +61,9 @@ def test_atomic_path_failure_leaves_no_target_and_no_temp(tmp_path):
 def test_atomic_path_failure_keeps_existing_target(tmp_path):
     target = tmp_path / "out.txt"
     target.write_text("old")
-    with pytest.raises(Boom):
-        with atomic_path(target) as tmp:
-            tmp.write_text("new")
-            raise Boom
+    with pytest.raises(Boom), atomic_path(target) as tmp:
+        tmp.write_text("new")
+        raise Boom
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
 

@@ -46,7 +46,8 @@ def test_identical_rerun_agrees(tmp_path, capsys):
 
 def test_a_changed_table_is_reported_cell_by_cell(tmp_path, capsys):
     # headline.csv starts with '#' lines (the analysis hash, the paper's ranges), as the workflow writes it
-    snapshot(fake_results(tmp_path / "results", headline="# hash: x\nconfig,excess_pp\na,7.5\nb,3.0\n"), tmp_path / "ref")
+    headline = "# hash: x\nconfig,excess_pp\na,7.5\nb,3.0\n"
+    snapshot(fake_results(tmp_path / "results", headline=headline), tmp_path / "ref")
     rerun = fake_results(tmp_path / "rerun", headline="# hash: x\nconfig,excess_pp\na,7.5\nb,4.25\n")
     assert main(["compare", str(tmp_path / "ref"), str(rerun)]) == 1
     out = capsys.readouterr().out

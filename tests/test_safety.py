@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, copy_linking
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from conftest import TINY, clone_run, planned_rules, snakemake
+
 from replaynoise.shards import batch_range, problem_range, shard_count, shard_index, shard_names
 
 #: Manifest paths that name a shard: the layout of the scattered intermediates, which a shard size must change

@@ -14,7 +14,6 @@ import subprocess
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import REPO, TINY, seed_model, snakemake
 
 SLURM_PROFILE = REPO / "profiles" / "slurm"

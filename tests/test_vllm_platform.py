@@ -6,11 +6,16 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from replaynoise.config import ConfigError, DEFAULT_CONFIG_PATH, validate_config
+from replaynoise.config import DEFAULT_CONFIG_PATH, ConfigError, validate_config
 from replaynoise.engines import make_engine
 from replaynoise.engines.vllm import (
-    GPU_HEADROOM_GIB, PlatformError, check_invariant_platform, gpu_memory_share, patch_invariant_rms_norm,
-    patch_invariant_top_k_top_p, row_invariant_add_rms_norm,
+    GPU_HEADROOM_GIB,
+    PlatformError,
+    check_invariant_platform,
+    gpu_memory_share,
+    patch_invariant_rms_norm,
+    patch_invariant_top_k_top_p,
+    row_invariant_add_rms_norm,
 )
 from replaynoise.pivots import PivotRules, candidate_positions
 

@@ -8,7 +8,6 @@ import subprocess
 import polars as pl
 import pytest
 import yaml
-
 from conftest import REPO, TINY, planned_rules, seed_model, snakemake
 
 pytestmark = pytest.mark.slow

@@ -21,18 +21,38 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from replaynoise.engines.base import (
-    ContinuationRequest, ContinuationResult, PrefixSource, SamplingSettings, VerificationError, scored_from,
+    ContinuationRequest,
+    ContinuationResult,
+    PrefixSource,
+    SamplingSettings,
+    VerificationError,
+    scored_from,
 )
 from replaynoise.engines.fast import (
-    AlignedDecoder, StaticDecoder, static_attention, static_decode_supported, use_fp32_matmul,
+    AlignedDecoder,
+    StaticDecoder,
+    static_attention,
+    static_decode_supported,
+    use_fp32_matmul,
 )
 from replaynoise.engines.hf_rollouts import HFRollouts
 from replaynoise.engines.kvfiles import stack_layers
 from replaynoise.engines.sampling import (
-    digest_rows, digest_strings, logprob_rows, sample_rows, token_logprob_of, topk_rows,
+    digest_rows,
+    digest_strings,
+    logprob_rows,
+    sample_rows,
+    token_logprob_of,
+    topk_rows,
 )
 from replaynoise.engines.states import (
-    PrefixState, StoredKV, bucket, cache_layers, left_padded_cache, row_bucket, transplant,
+    PrefixState,
+    StoredKV,
+    bucket,
+    cache_layers,
+    left_padded_cache,
+    row_bucket,
+    transplant,
 )
 from replaynoise.models import eos_token_ids
 from replaynoise.passes import as_source
@@ -274,10 +294,7 @@ class HFEngine(HFRollouts):
         batch together; one token per forward in invariant mode) and record whether the logits and the new KV
         entry reproduce the rollout's bitwise. A rollout made in a batch need not reproduce (other kernels'
         reduction order), so this measures batch variance; it does not decide which state is used."""
-        if self.invariant:
-            groups = [[i] for i in range(len(states))]
-        else:
-            groups = [list(range(len(states)))]
+        groups = [[i] for i in range(len(states))] if self.invariant else [list(range(len(states)))]
         for group in groups:
             shorter = [PrefixState(None, states[i].length - 1, True, None, kv=states[i].kv[..., :-1, :])
                        if states[i].kv is not None else

@@ -16,7 +16,14 @@ from replaynoise.engines.base import KeepLen, Rollout, RolloutRequest, SamplingS
 from replaynoise.engines.fast import StaticDecoder
 from replaynoise.engines.kvfiles import KVLayers, save_kv, stack_layers
 from replaynoise.engines.sampling import (
-    RowSampler, digest_rows, digest_strings, logits_digest, logprob_rows, sample_rows, token_logprob_of, topk_of,
+    RowSampler,
+    digest_rows,
+    digest_strings,
+    logits_digest,
+    logprob_rows,
+    sample_rows,
+    token_logprob_of,
+    topk_of,
 )
 from replaynoise.engines.states import IO_THREADS, bucket, cache_layers
 from replaynoise.io import file_in

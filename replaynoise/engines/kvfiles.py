@@ -62,7 +62,8 @@ def save_kv(layers: KVLayers | torch.Tensor, keep: int, path: Path, ids: list[in
         start += size
     if ids is not None:
         blocks.append(torch.tensor(ids[:keep], dtype=torch.int64))
-        header["ids"] = {"dtype": "I64", "shape": [len(ids[:keep])], "data_offsets": [start, start + 8 * len(ids[:keep])]}
+        n_ids = len(ids[:keep])
+        header["ids"] = {"dtype": "I64", "shape": [n_ids], "data_offsets": [start, start + 8 * n_ids]}
     # One metadata key only, and keys in a fixed order: equal caches must give equal bytes (the manifest and
     # the recorded checksum compare files by their bytes).
     header = {"__metadata__": {"replaynoise-kv": f"format=1;positions={keep}"}, **header}

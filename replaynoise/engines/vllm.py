@@ -33,12 +33,18 @@ from pathlib import Path
 import torch
 
 from replaynoise.engines.base import (
-    ContinuationRequest, ContinuationResult, KeepLen, Rollout, RolloutRequest, SamplingSettings,
-    VerificationError, scored_from,
+    ContinuationRequest,
+    ContinuationResult,
+    KeepLen,
+    Rollout,
+    RolloutRequest,
+    SamplingSettings,
+    VerificationError,
+    scored_from,
 )
+from replaynoise.io import file_in, sha256_file, write_json
 from replaynoise.passes import PrefixSource, as_source
 from replaynoise.progress import Phases
-from replaynoise.io import file_in, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 

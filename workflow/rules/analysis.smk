@@ -1,24 +1,23 @@
 rule prefix_mismatch:
-    localrule: True
     input:
         rollouts=rollouts_file("{config}"),
         pivots=pivots_file("{config}"),
         passes=lambda w: [pass_file(w.config, p) for p in RUN_PASSES],
     output:
         mismatch_file("{config}"),
+    log:
+        f"{LOGS}/prefix_mismatch/{{config}}.log",
+    localrule: True
+    conda:
+        "../../envs/analysis.yaml"
     params:
         code=code_version("prefix_mismatch"),
         passes=RUN_PASSES,
-    log:
-        f"{LOGS}/prefix_mismatch/{{config}}.log",
-    conda:
-        "../../envs/analysis.yaml"
     script:
         "../scripts/prefix_mismatch.py"
 
 
 rule compare_passes:
-    localrule: True
     input:
         credit=lambda w: [credit_file(w.config, p) for p in RUN_PASSES],
         passes=lambda w: [pass_file(w.config, p) for p in RUN_PASSES],
@@ -31,6 +30,11 @@ rule compare_passes:
             category="Tables",
             subcategory="{config}",
         ),
+    log:
+        f"{LOGS}/compare_passes/{{config}}.log",
+    localrule: True
+    conda:
+        "../../envs/analysis.yaml"
     params:
         code=code_version("compare_passes"),
         passes=RUN_PASSES,
@@ -38,20 +42,20 @@ rule compare_passes:
         seed=config["seed"],
         kernels=lambda w: settings(w)["kernels"],
         analysis_hash=ANALYSIS_HASH,
-    log:
-        f"{LOGS}/compare_passes/{{config}}.log",
-    conda:
-        "../../envs/analysis.yaml"
     script:
         "../scripts/compare_passes.py"
 
 
 rule compare_pooled:
-    localrule: True
     input:
         credit=all_credit,
     output:
         comparison_file("pooled"),
+    log:
+        f"{LOGS}/compare_pooled.log",
+    localrule: True
+    conda:
+        "../../envs/analysis.yaml"
     params:
         code=code_version("compare_pooled"),
         analysis=config["analysis"],
@@ -60,16 +64,11 @@ rule compare_pooled:
         settings={c: {key: config["configs"][c][key] for key in POOL_KEYS} for c in CONFIGS},
         passes=RUN_PASSES,
         analysis_hash=ANALYSIS_HASH,
-    log:
-        f"{LOGS}/compare_pooled.log",
-    conda:
-        "../../envs/analysis.yaml"
     script:
         "../scripts/compare_pooled.py"
 
 
 rule headline_tables:
-    localrule: True
     input:
         configs=all_comparisons,
         pooled=comparison_file("pooled"),
@@ -77,13 +76,14 @@ rule headline_tables:
         csv=report(table_file("headline", "csv"), caption="../report/headline.rst", category="Tables"),
         md=table_file("headline", "md"),
         tex=table_file("headline", "tex"),
+    log:
+        f"{LOGS}/headline_tables.log",
+    localrule: True
+    conda:
+        "../../envs/analysis.yaml"
     params:
         code=code_version("headline_tables"),
         configs=CONFIGS,
         analysis_hash=ANALYSIS_HASH,
-    log:
-        f"{LOGS}/headline_tables.log",
-    conda:
-        "../../envs/analysis.yaml"
     script:
         "../scripts/headline_tables.py"

@@ -12,7 +12,12 @@ sys.path.insert(0, workflow.basedir)
 from replaynoise.analysis import POOL_KEYS  # noqa: E402
 from replaynoise.control_report import control_outputs  # noqa: E402
 from replaynoise.config import (  # noqa: E402
-    ConfigError, analysis_hash, check_config_file, job_gpus, overlay_adds_default_configs, platform_problems,
+    ConfigError,
+    analysis_hash,
+    check_config_file,
+    job_gpus,
+    overlay_adds_default_configs,
+    platform_problems,
     validate_config,
 )
 from replaynoise.datasets import check_n_problems  # noqa: E402
@@ -40,9 +45,12 @@ config.update(_validated)
 if not workflow.config_settings.replace_workflow_config:
     _added = overlay_adds_default_configs([yaml.safe_load(Path(f).read_text()) for f in workflow.overwrite_configfiles])
     if _added:
-        print(f"\n{'!' * 100}\nWARNING: the --configfile overlay names its own configs, and Snakemake merges them with "
-              f"those of config/config.yaml: this run ALSO runs and pools the default configuration(s) {_added}.\n"
-              f"Add --replace-workflow-config to run only yours.\n{'!' * 100}\n", file=sys.stderr)
+        print(
+            f"\n{'!' * 100}\nWARNING: the --configfile overlay names its own configs, and Snakemake merges them with "
+            f"those of config/config.yaml: this run ALSO runs and pools the default configuration(s) {_added}.\n"
+            f"Add --replace-workflow-config to run only yours.\n{'!' * 100}\n",
+            file=sys.stderr,
+        )
 
 CONFIGS = sorted(config["configs"])
 RUN_PASSES = list(config["replay"]["passes"])
@@ -97,8 +105,9 @@ def model_files(wildcards):
 def user_inputs():
     """Every file a user gave by path (dataset, local models): provenance.json records their sha256 and the
     verify rule checks them again."""
-    return sorted(set(dataset_files()) | {str(f) for c in CONFIGS for f in model_source_files(
-        config["configs"][c]["model"])})
+    return sorted(
+        set(dataset_files()) | {str(f) for c in CONFIGS for f in model_source_files(config["configs"][c]["model"])}
+    )
 
 
 # ------------------------------------------------------------------------------------------------ paths
@@ -291,17 +300,35 @@ def code_version(script):
 
 
 def timed_jobs():
-    """Every model job this configuration plans, with its benchmark file and the devices it holds."""
+    """Every model job this configuration plans, with its benchmark file and the devices it holds (dict literals:
+    a line that starts with `rule=` is read by Snakemake's parser as a rule)."""
     jobs = [
-        dict(rule="prepare_model", benchmark=benchmark_file("prepare_model", key), gpus=0,
-             threads=heavy("prepare_model", "threads"))
+        {
+            "rule": "prepare_model",
+            "benchmark": benchmark_file("prepare_model", key),
+            "gpus": 0,
+            "threads": heavy("prepare_model", "threads"),
+        }
         for key in sorted(MODEL_KEYS)
     ]
     for c in CONFIGS:
         held = gpus_of(c)
         for s in SHARDS:
-            jobs.append(dict(rule="generate_rollouts", benchmark=benchmark_file("generate_rollouts", f"{c}.{s}"),
-                             gpus=held, threads=heavy("generate_rollouts", "threads")))
-            jobs += [dict(rule=f"replay_{p}", benchmark=benchmark_file(f"replay_{p}", f"{c}.{s}"), gpus=held,
-                          threads=heavy("replay", "threads")) for p in RUN_PASSES]
+            jobs.append(
+                {
+                    "rule": "generate_rollouts",
+                    "benchmark": benchmark_file("generate_rollouts", f"{c}.{s}"),
+                    "gpus": held,
+                    "threads": heavy("generate_rollouts", "threads"),
+                }
+            )
+            jobs += [
+                {
+                    "rule": f"replay_{p}",
+                    "benchmark": benchmark_file(f"replay_{p}", f"{c}.{s}"),
+                    "gpus": held,
+                    "threads": heavy("replay", "threads"),
+                }
+                for p in RUN_PASSES
+            ]
     return jobs

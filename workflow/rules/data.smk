@@ -1,9 +1,13 @@
 rule sample_problems:
-    localrule: True
     input:
         dataset_files,
     output:
         **sampling_outputs("{dataset}"),
+    log:
+        f"{LOGS}/sample_problems/{{dataset}}.log",
+    localrule: True
+    conda:
+        "../../envs/analysis.yaml"
     params:
         code=code_version("sample_problems"),
         source=config["dataset"]["source"],
@@ -12,9 +16,5 @@ rule sample_problems:
         sample=config["dataset"]["sample"],
         seed=config["seed"],
         cache=PACKAGE_DIR,
-    log:
-        f"{LOGS}/sample_problems/{{dataset}}.log",
-    conda:
-        "../../envs/analysis.yaml"
     script:
         "../scripts/sample_problems.py"

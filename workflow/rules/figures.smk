@@ -4,20 +4,20 @@ for _fig in FIGURES_FROM_COMPARISONS:
     rule:
         name:
             f"figure_{_fig}"
-        localrule: True
         input:
             comparisons=all_comparisons,
         output:
             **figure_outputs(_fig),
+        log:
+            f"{LOGS}/figure_{_fig}.log",
+        localrule: True
+        conda:
+            "../../envs/analysis.yaml"
         params:
             code=code_version("figure"),
             figure=_fig,
             configs=CONFIGS,
             options=plot_options(_fig, config),
-        log:
-            f"{LOGS}/figure_{_fig}.log",
-        conda:
-            "../../envs/analysis.yaml"
         script:
             "../scripts/figure.py"
 
@@ -27,48 +27,50 @@ for _fig in FIGURES_FROM_CREDIT:
     rule:
         name:
             f"figure_{_fig}"
-        localrule: True
         input:
             credit=all_credit,
         output:
             **figure_outputs(_fig),
+        log:
+            f"{LOGS}/figure_{_fig}.log",
+        localrule: True
+        conda:
+            "../../envs/analysis.yaml"
         params:
             code=code_version("figure"),
             figure=_fig,
             configs=CONFIGS,
             passes=RUN_PASSES,
             options=plot_options(_fig, config),
-        log:
-            f"{LOGS}/figure_{_fig}.log",
-        conda:
-            "../../envs/analysis.yaml"
         script:
             "../scripts/figure.py"
 
 
 rule figure_channel_agreement:
-    localrule: True
     input:
         comparisons=all_comparisons,
         channels=[channels_file(c) for c in CONFIGS],
     output:
         **figure_outputs("channel_agreement"),
+    log:
+        f"{LOGS}/figure_channel_agreement.log",
+    localrule: True
+    conda:
+        "../../envs/analysis.yaml"
     params:
         code=code_version("figure"),
         figure="channel_agreement",
         configs=CONFIGS,
         options=plot_options("channel_agreement", config),
-    log:
-        f"{LOGS}/figure_channel_agreement.log",
-    conda:
-        "../../envs/analysis.yaml"
     script:
         "../scripts/figure.py"
 
 
 rule figures:
-    localrule: True
     input:
-        [figure_file(name, ext)
-         for name in FIGURES_FROM_COMPARISONS + FIGURES_FROM_CREDIT + ["channel_agreement"] + CONTROL_FIGURES
-         for ext in ("png", "pdf")],
+        [
+            figure_file(name, ext)
+            for name in FIGURES_FROM_COMPARISONS + FIGURES_FROM_CREDIT + ["channel_agreement"] + CONTROL_FIGURES
+            for ext in ("png", "pdf")
+        ],
+    localrule: True

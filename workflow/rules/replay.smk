@@ -13,6 +13,17 @@ for _pass in RUN_PASSES:
             pivots=pivots_file("{config}"),
         output:
             pass_shard_file("{config}", _pass, "{shard}"),
+        log:
+            f"{LOGS}/replay_{_pass}/{{config}}.{{shard}}.log",
+        benchmark:
+            benchmark_file(f"replay_{_pass}", "{config}.{shard}")
+        conda:
+            engine_env
+        threads: heavy("replay", "threads")
+        resources:
+            mem_mb=heavy("replay", "mem_mb"),
+            runtime=heavy("replay", "runtime"),
+            gpu=gpus,
         params:
             code=code_version("replay_pass"),
             pass_name=_pass,
@@ -24,32 +35,21 @@ for _pass in RUN_PASSES:
             topk=config["pivots"]["topk"],
             n_shards=len(SHARDS),
             work=work_dir("{config}", _pass, "{shard}"),
-        log:
-            f"{LOGS}/replay_{_pass}/{{config}}.{{shard}}.log",
-        benchmark:
-            benchmark_file(f"replay_{_pass}", "{config}.{shard}")
-        threads: heavy("replay", "threads")
-        resources:
-            mem_mb=heavy("replay", "mem_mb"),
-            runtime=heavy("replay", "runtime"),
-            gpu=gpus,
-        conda:
-            engine_env
         script:
             "../scripts/replay_pass.py"
 
 
 rule gather_pass:
-    localrule: True
     input:
         lambda w: [pass_shard_file(w.config, w.pass_name, s) for s in SHARDS],
     output:
         pass_file("{config}", "{pass_name}"),
-    params:
-        code=code_version("gather"),
     log:
         f"{LOGS}/gather_pass/{{config}}.{{pass_name}}.log",
+    localrule: True
     conda:
         "../../envs/analysis.yaml"
+    params:
+        code=code_version("gather"),
     script:
         "../scripts/gather.py"

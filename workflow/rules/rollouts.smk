@@ -6,6 +6,17 @@ rule generate_rollouts:
     output:
         rollouts=rollout_shard_file("{config}", "{shard}"),
         kv=directory(kv_dir("{config}", "{shard}")),
+    log:
+        f"{LOGS}/generate_rollouts/{{config}}.{{shard}}.log",
+    benchmark:
+        benchmark_file("generate_rollouts", "{config}.{shard}")
+    conda:
+        engine_env
+    threads: heavy("generate_rollouts", "threads")
+    resources:
+        mem_mb=heavy("generate_rollouts", "mem_mb"),
+        runtime=heavy("generate_rollouts", "runtime"),
+        gpu=gpus,
     params:
         code=code_version("generate_rollouts"),
         settings=settings,
@@ -18,49 +29,38 @@ rule generate_rollouts:
         topk=config["pivots"]["topk"],
         shard_size=config["resources"]["shard_size"],
         work=work_dir("{config}", "rollouts", "{shard}"),
-    log:
-        f"{LOGS}/generate_rollouts/{{config}}.{{shard}}.log",
-    benchmark:
-        benchmark_file("generate_rollouts", "{config}.{shard}")
-    threads: heavy("generate_rollouts", "threads")
-    resources:
-        mem_mb=heavy("generate_rollouts", "mem_mb"),
-        runtime=heavy("generate_rollouts", "runtime"),
-        gpu=gpus,
-    conda:
-        engine_env
     script:
         "../scripts/generate_rollouts.py"
 
 
 rule gather_rollouts:
-    localrule: True
     input:
         lambda w: [rollout_shard_file(w.config, s) for s in SHARDS],
     output:
         rollouts_file("{config}"),
-    params:
-        code=code_version("gather"),
     log:
         f"{LOGS}/gather_rollouts/{{config}}.log",
+    localrule: True
     conda:
         "../../envs/analysis.yaml"
+    params:
+        code=code_version("gather"),
     script:
         "../scripts/gather.py"
 
 
 # Every pass shard reads the KV folders of all rollout shards; it depends on this one small index of them.
 rule index_kv:
-    localrule: True
     input:
         kv_dirs,
     output:
         kv_index_file("{config}"),
-    params:
-        code=code_version("index_kv"),
     log:
         f"{LOGS}/index_kv/{{config}}.log",
+    localrule: True
     conda:
         "../../envs/analysis.yaml"
+    params:
+        code=code_version("index_kv"),
     script:
         "../scripts/index_kv.py"

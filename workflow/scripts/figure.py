@@ -5,10 +5,10 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parents[1]))
 from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
-from replaynoise import figures  # noqa: E402
-from replaynoise.credit import read_credit_grid  # noqa: E402
 import polars as pl  # noqa: E402
 
+from replaynoise import figures  # noqa: E402
+from replaynoise.credit import read_credit_grid  # noqa: E402
 from replaynoise.io import read_json  # noqa: E402
 
 p, out = snakemake.params, snakemake.output

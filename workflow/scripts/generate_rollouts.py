@@ -8,9 +8,9 @@ log_to(snakemake.log[0])
 from replaynoise import rollouts  # noqa: E402
 from replaynoise.engines import make_engine  # noqa: E402
 from replaynoise.engines.base import SamplingSettings  # noqa: E402
-from replaynoise.pivots import PivotRules  # noqa: E402
-from replaynoise.models import engine_context  # noqa: E402
 from replaynoise.io import read_parquet, remove_scratch, sha256_file, stable_hash, write_parquet  # noqa: E402
+from replaynoise.models import engine_context  # noqa: E402
+from replaynoise.pivots import PivotRules  # noqa: E402
 from replaynoise.shards import problem_range, shard_index  # noqa: E402
 
 p, s = snakemake.params, snakemake.params.settings

@@ -5,9 +5,12 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parents[1]))
 from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
-from replaynoise.tables import headline_rows  # noqa: E402
 from replaynoise.io import read_json  # noqa: E402
-from replaynoise.tables import mismatch_lines, write_headline_tables  # noqa: E402
+from replaynoise.tables import (  # noqa: E402
+                      headline_rows,  # noqa: E402
+                      mismatch_lines,
+                      write_headline_tables,
+)
 
 results = {c: read_json(f) for c, f in zip(snakemake.params.configs, snakemake.input.configs)}
 results["pooled"] = read_json(snakemake.input.pooled)

@@ -8,8 +8,8 @@ log_to(snakemake.log[0])
 from replaynoise import replay  # noqa: E402
 from replaynoise.engines import make_engine  # noqa: E402
 from replaynoise.engines.base import SamplingSettings  # noqa: E402
-from replaynoise.models import engine_context  # noqa: E402
 from replaynoise.io import read_json, read_parquet, remove_scratch, sha256_file, stable_hash, write_parquet  # noqa: E402
+from replaynoise.models import engine_context  # noqa: E402
 from replaynoise.shards import shard_index  # noqa: E402
 
 p, s, r = snakemake.params, snakemake.params.settings, snakemake.params.replay

@@ -5,8 +5,8 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parents[1]))
 from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
-from replaynoise.pivots import PivotRules, screened_problems, select_pivots  # noqa: E402
 from replaynoise.io import read_parquet, write_parquet  # noqa: E402
+from replaynoise.pivots import PivotRules, screened_problems, select_pivots  # noqa: E402
 
 p = snakemake.params
 rollouts = read_parquet(snakemake.input.rollouts)

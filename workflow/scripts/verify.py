@@ -12,5 +12,7 @@ for line in problems:
     print(line, file=sys.stderr)
     print(line, file=sys.__stderr__)
 if problems:
-    raise SystemExit(f"{len(problems)} result file(s) differ from results/MANIFEST.sha256 or provenance.json: " + "; ".join(problems[:10]))
-print("all result files match results/MANIFEST.sha256, and every file given by path its recorded sha256", file=sys.__stderr__)
+    raise SystemExit(f"{len(problems)} result file(s) differ from results/MANIFEST.sha256 or provenance.json: "
+                     + "; ".join(problems[:10]))
+print("all result files match results/MANIFEST.sha256, and every file given by path its recorded sha256",
+      file=sys.__stderr__)
