@@ -209,13 +209,16 @@ def sentence(config: str, summary: Mapping[str, Any], comparison: Mapping[str, A
     headline excess of the main conditioning, as the headline table shows it)."""
     k3 = ((summary.get("passes") or {}).get("refeed") or {}).get("k3_kl")
     block = (comparison.get("conditionings") or {}).get("main") or {}
-    excess = (block.get("excess_pp") or {}).get("estimate")
+    stat = block.get("excess_pp") or {}
+    excess = stat.get("estimate")
     if k3 is None:
         return f"{config}: no re-fed prefix was scored, so no k3_kl to set beside the credit flips."
     if excess is None:
         return (f"{config}: at this configuration's mean k3_kl of {k3:.3g}, too few eligible pivots to say how "
                 "many decision-token credits re-feed flips beyond the floor.")
-    return (f"{config}: at this configuration's mean k3_kl of {k3:.3g}, re-feed flips {excess:+.1f}% of "
+    ci = (f" [95% CI {stat['ci_lo']:+.1f}, {stat['ci_hi']:+.1f}]"
+          if stat.get("ci_lo") is not None and stat.get("ci_hi") is not None else "")
+    return (f"{config}: at this configuration's mean k3_kl of {k3:.3g}, re-feed flips {excess:+.1f} pp{ci} of "
             f"decision-token credits beyond the floor (main conditioning, {comparison.get('metric', 'sign')} "
             "metric).")
 

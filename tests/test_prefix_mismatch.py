@@ -164,13 +164,15 @@ def test_the_link_finds_flips_that_follow_the_mismatch():
 
 def test_the_summary_pools_tokens_and_says_the_sentence_with_the_tables_excess():
     _, credit, mism = synthetic()
-    comparison = {"metric": "sign", "conditionings": {"main": {"excess_pp": {"estimate": 12.34}}}}
+    comparison = {"metric": "sign", "conditionings": {"main": {"excess_pp": {"estimate": 12.34, "ci_lo": 2.0,
+                                                                             "ci_hi": 25.56}}}}
     out = mismatch_summary(mism, credit, comparison, config="cfg", metric="sign", min_eligible=10, ci=0.95)
     pooled = out["passes"]["refeed"]
     assert pooled["n_pivots"] == 60 and pooled["n_tokens"] == 120
     assert set(out["not_scored"]) == {"exact", "replica"}
     assert out["sentence"].startswith(f"cfg: at this configuration's mean k3_kl of {pooled['k3_kl']:.3g}, "
-                                      "re-feed flips +12.3% of decision-token credits beyond the floor")
+                                      "re-feed flips +12.3 pp [95% CI +2.0, +25.6] of decision-token credits "
+                                      "beyond the floor")
 
 
 def test_mismatch_rows_set_the_passes_prefix_against_the_rollouts_tokens():
