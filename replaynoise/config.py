@@ -135,7 +135,7 @@ def _fill_engine_settings(schema: dict, config: dict, as_given: dict) -> None:
                 # CUDA graphs are a GPU's; torch.compile of a model on a CPU costs minutes a job, for nothing here
                 given = {"eager": True, **given, "async_scheduling": False}
             settings["vllm"] = _fill_defaults(vllm_schema, copy.deepcopy(given))
-        elif isinstance(settings.get("vllm"), dict) and settings["vllm"].get("tensor_parallel_size", 1) > 1:
+        elif isinstance(settings.get("vllm"), dict) and tensor_parallel_size(settings) > 1:
             raise ConfigError(f"config key configs.{name}.vllm.tensor_parallel_size: the {settings.get('engine')!r} "
                               "engine runs on one GPU; tensor parallelism is vLLM's (engine: vllm)")
         elif "vllm" in settings:

@@ -395,13 +395,18 @@ def eos_ids(weights: Path, tokenizer) -> set[int]:
 
 def load_model(model_dir: Path, dtype: str, device: str = "cpu"):
     """Load a prepared model offline, from safetensors only, without remote code."""
+    return load_weights(model_weights_dir(Path(model_dir)), dtype, device)
+
+
+def load_weights(weights: Path, dtype: str, device: str = "cpu"):
+    """``load_model`` from a weights directory ``model_weights_dir`` has already checked (the engine factory
+    times the check apart, and must not make it twice)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    weights = model_weights_dir(Path(model_dir))
     check_local_model_dir(weights)
     tokenizer = load_tokenizer(weights)
-    # Straight onto the device: a 7B model's 15 GB staged through host memory first took seconds of every job.
+    # Straight onto the device: staging a 7B model's 15 GB through host memory first costs seconds in every job.
     placement = {} if device == "cpu" else {"device_map": device}
     model = AutoModelForCausalLM.from_pretrained(
         weights, dtype=getattr(torch, dtype), local_files_only=True, trust_remote_code=False,

@@ -27,11 +27,11 @@ def make_engine(settings: dict, model_dir: Path, *, topk: int, threads: int) -> 
     if settings["engine"] == "hf":
         with startup("imports"):
             from replaynoise.engines.hf import HFEngine
-            from replaynoise.models import load_model, model_weights_dir, stop_token_ids
+            from replaynoise.models import load_weights, model_weights_dir, stop_token_ids
         with startup("weights check"):
-            model_weights_dir(Path(model_dir))
+            weights = model_weights_dir(Path(model_dir))
         with startup("model load"):
-            model, tokenizer = load_model(model_dir, settings["dtype"], settings["device"])
+            model, tokenizer = load_weights(weights, settings["dtype"], settings["device"])
         with startup("engine build"):
             engine = HFEngine(model, tokenizer, kernels=settings["kernels"], topk=topk,
                               decode=settings.get("decode", "auto"), cpu_matmul=settings.get("cpu_matmul", "fp32"),
