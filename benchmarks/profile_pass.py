@@ -52,6 +52,15 @@ def timed_steps(engine) -> list:
     return events
 
 
+def publish(summary: dict, averages, out: Path | None) -> None:
+    """Print the summary and the busiest kernels and host operators; write the summary to ``out`` if given."""
+    print(json.dumps(summary, indent=1))
+    print(averages.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    if out:
+        out.write_text(json.dumps(summary, indent=1) + "\n")
+
+
 def prepared_model(results: Path, settings: dict) -> Path:
     """The run's prepared directory of the configuration's model and dtype, found by the description
     ``prepare_model`` wrote into it (not by re-deriving the workflow's directory names)."""
@@ -129,11 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "mean_context": context, "profiled_wall_s": profiled_wall, "gpu_busy_s": busy,
         "gpu_busy_share": busy / profiled_wall,
     }
-    print(json.dumps(summary, indent=1))
-    print(averages.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
-    print(averages.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
-    if args.out:
-        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    publish(summary, averages, args.out)
     return 0
 
 

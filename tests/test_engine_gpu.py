@@ -110,10 +110,11 @@ def test_noise_is_the_same_on_gpu_and_cpu_and_compiled():
     assert torch.equal(keys, row_keys(seeds.cuda(), steps.cuda()).cpu())
     assert torch.allclose(gumbel(keys, 5000), gumbel(keys.cuda(), 5000).cpu(), atol=1e-5, rtol=0)
     logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(3)) * 4
-    on_cpu = sample_rows(logits, seeds, steps, 0.7, 1.0)
-    on_gpu = sample_rows(logits.cuda(), seeds.cuda(), steps.cuda(), 0.7, 1.0, exhaustive=True).cpu()
-    compiled = _compiled_sampler()(logits.cuda(), seeds.cuda(), steps.cuda(), 0.7, 1.0).cpu()
-    assert torch.equal(on_cpu, on_gpu) and torch.equal(on_gpu, compiled)
+    for top_p in (1.0, 0.9):
+        on_cpu = sample_rows(logits, seeds, steps, 0.7, top_p)
+        on_gpu = sample_rows(logits.cuda(), seeds.cuda(), steps.cuda(), 0.7, top_p, exhaustive=True).cpu()
+        compiled = _compiled_sampler()(logits.cuda(), seeds.cuda(), steps.cuda(), 0.7, top_p).cpu()
+        assert torch.equal(on_cpu, on_gpu) and torch.equal(on_gpu, compiled)
 
 
 def test_batched_static_rollouts_keep_each_rows_own_kv_on_gpu(model, tmp_path):

@@ -305,6 +305,31 @@ def test_sampler_noise_is_per_row_and_the_pruned_form_is_exact():
     assert torch.allclose(torch.bincount(tokens, minlength=4) / 20000, torch.softmax(logits[0], 0), atol=0.01)
 
 
+
+def test_nucleus_is_the_exact_one_and_keeps_ties_together():
+    """The sort-free nucleus keeps what a float64 sort and cumulative sum keep (a float32 cumulative sum, the
+    usual form, drifts by a few tokens per row over a long tail), and tied tokens stand or fall together."""
+    from replaynoise.engines.sampling import _mask_outside_nucleus
+
+    def by_sorting(scores, top_p):
+        ordered, order = torch.sort(scores.double(), dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        dropped = torch.cumsum(probs, dim=-1) - probs >= top_p
+        return torch.zeros_like(dropped).scatter_(-1, order, dropped)
+
+    gen = torch.Generator().manual_seed(0)
+    for scale, top_p in ((0.01, 0.5), (1.0, 0.95), (3.0, 0.999), (30.0, 0.9)):
+        scores = torch.randn(32, 20000, generator=gen) * scale
+        kept = torch.isfinite(_mask_outside_nucleus(scores, top_p))
+        assert torch.equal(~kept, by_sorting(scores, top_p))
+        assert kept.sum(-1).min() >= 1
+    # four equal tokens, each 0.25 of the mass: a 0.3 nucleus keeps all of them, not the first two
+    assert torch.isfinite(_mask_outside_nucleus(torch.zeros(1, 4), 0.3)).all()
+    scores = torch.tensor([[2.0, 1.0, 1.0, -5.0]])
+    kept = torch.isfinite(_mask_outside_nucleus(scores, 0.75))
+    assert kept.tolist() == [[True, True, True, False]]
+    assert torch.isfinite(_mask_outside_nucleus(scores, 0.5)).tolist() == [[True, False, False, False]]
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_static_decode_matches_the_dynamic_decode(family, tmp_path):
     """The GPU fast path's step (static KV, grouped attention, on-device sampling), run eagerly on CPU in fp32,

@@ -101,14 +101,34 @@ class RowSampler:
                                self.temperature, self.top_p)[0])
 
 
+#: Fixed-point scale of the nucleus weights: a row of up to 2**21 tokens sums below 2**63 in int64.
+_WEIGHT_BITS = 42
+#: Bisection steps that pin the nucleus's threshold to one float32 value: the bit patterns of weights in [0, 1]
+#: span [0, 0x3F800000], under 2**30 values.
+_THRESHOLD_STEPS = 30
+
+
 def _mask_outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep, per row, the smallest set of top tokens whose mass reaches top_p; the rest get -inf."""
-    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-    probs = torch.softmax(sorted_scores, dim=-1)
-    cumulative = torch.cumsum(probs, dim=-1)
-    drop = cumulative - probs >= top_p
-    masked = sorted_scores.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scores).scatter_(-1, order, masked)
+    """Keep, per row, every token whose strictly better tokens hold less than top_p of the mass; the rest -inf.
+
+    Without sorting the vocabulary: the threshold is found by bisection over the float32 bit patterns of the
+    weights w = exp(score - best) in [0, 1], whose order is the scores' order, each step one masked sum per row.
+    The weights enter those sums as fixed-point integers (floor(w * 2**42)), so every sum is exact, whatever the
+    reduction order: the kept set depends only on the row, never on the batch, the kernel or the device's
+    summation order. Tokens of equal weight are kept or dropped together."""
+    best = scores.max(dim=-1, keepdim=True).values
+    weight = torch.exp(scores - best)
+    level = weight.view(torch.int32).to(torch.int64)  # monotone in the weight, for weights >= 0
+    fixed = (weight * float(1 << _WEIGHT_BITS)).to(torch.int64)
+    limit = fixed.sum(dim=-1, keepdim=True).to(torch.float64) * top_p
+    # invariant: the mass strictly above level `low` reaches the limit, above `high` it does not (none is above 1.0)
+    low = torch.full_like(limit, -1, dtype=torch.int64)
+    high = torch.full_like(limit, 0x3F800000, dtype=torch.int64)
+    for _ in range(_THRESHOLD_STEPS):
+        mid = (low + high) // 2
+        short = torch.where(level > mid, fixed, 0).sum(dim=-1, keepdim=True) < limit
+        high, low = torch.where(short, mid, high), torch.where(short, low, mid)
+    return scores.masked_fill(level < high, float("-inf"))
 
 
 @functools.cache
