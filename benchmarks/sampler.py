@@ -1,13 +1,14 @@
-"""The decode step's sampler alone on a GPU: the sort-free nucleus against the sorted one it replaced.
+"""The decode step's sampler alone on a GPU: the two forms of the integer nucleus against the float32 one they replaced.
 
     PYTHONPATH=. python benchmarks/sampler.py [--rows 64 512] [--vocab 151936] [--out FILE]
 
-For each batch size: the exhaustive sampler (the one a static decoder captures) with the nucleus found by bisection
-(``sampling._mask_outside_nucleus``), eager and compiled by inductor as the decoder compiles it, against the same
-sampler with the nucleus of a full sort and a float32 cumulative sum (the form before, kept here as the baseline).
+For each batch size: the exhaustive sampler (the one a static decoder captures) with the top-p filter of
+``sampling.nucleus_by_sorting`` (eager decoders) and of ``nucleus_by_bisection`` (eager, and compiled by inductor as
+a compiled decoder runs it), against the same sampler with the nucleus of a full sort and a float32 cumulative sum
+(the form before, kept here as the baseline).
 Logits are bf16 at three spreads: near-flat (random weights: the nucleus is most of the vocabulary), moderate and
 peaked (a trained model's typical row). Prints and writes milliseconds per call (CUDA events, median of 20 after
-warm-up), the compile time, and how many rows' kept sets differ from a float64 sort's.
+warm-up), the compile time, and how many rows' kept sets differ from a float64 computation's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from replaynoise.engines import sampling
-from replaynoise.engines.fast import _compiled, _eager_sampler
+from replaynoise.engines.fast import _bisecting_sampler, _compiled, _eager_sampler
 
 
 def sorted_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -33,10 +34,16 @@ def sorted_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def exact_dropped(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The nucleus in float64: the reference both forms are held to."""
+    """The nucleus in float64, ties kept whole (every token whose strictly better tokens hold less than top_p):
+    the reference the forms are held to. A tie's first token's float64 cumulative mass is the mass above it."""
     ordered, order = torch.sort(scores.double(), dim=-1, descending=True)
     probs = torch.softmax(ordered, dim=-1)
-    dropped = torch.cumsum(probs, dim=-1) - probs >= top_p
+    before = torch.cumsum(probs, dim=-1) - probs
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    group = torch.cumsum(first, dim=-1) - 1  # each tie group's number, along the sorted row
+    above = torch.zeros_like(before).scatter_add_(-1, group, torch.where(first, before, 0.0))
+    dropped = above.gather(-1, group) >= top_p
     return torch.zeros_like(dropped).scatter_(-1, order, dropped)
 
 
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     t, p = args.temperature, args.top_p
-    compiled_baseline, compiled_new = _compiled(baseline_sampler), _compiled(_eager_sampler)
+    compiled_baseline, compiled_new = _compiled(baseline_sampler), _compiled(_bisecting_sampler)
     rows_out = []
     for rows in args.rows:
         gen = torch.Generator(device="cuda").manual_seed(rows)
@@ -85,15 +92,17 @@ def main(argv: list[str] | None = None) -> int:
             scores = logits.to(torch.float32) / t
             reference = exact_dropped(scores, p)
             off = {name: int(((torch.isinf(fn(scores, p)) != reference).any(-1)).sum())
-                   for name, fn in (("sort-free", sampling._mask_outside_nucleus), ("sorted", sorted_nucleus))}
+                   for name, fn in (("bisection", sampling.nucleus_by_bisection),
+                                    ("integer sort", sampling.nucleus_by_sorting), ("float32 cumsum", sorted_nucleus))}
             same = torch.equal(compiled_new(logits, seeds, steps, t, p), _eager_sampler(logits, seeds, steps, t, p))
             row = {"rows": rows, "vocab": args.vocab, "spread": spread, "top_p": p,
                    "kept_mean": float((~reference).sum(-1).float().mean()),
-                   "ms": {"sorted eager": median_ms(baseline_sampler, logits, seeds, steps, t, p),
-                          "sorted compiled": median_ms(compiled_baseline, logits, seeds, steps, t, p),
-                          "sort-free eager": median_ms(_eager_sampler, logits, seeds, steps, t, p),
-                          "sort-free compiled": median_ms(compiled_new, logits, seeds, steps, t, p)},
-                   "first_call_s": compile_s, "rows_off_float64": off, "compiled_equals_eager": same}
+                   "ms": {"float32 cumsum eager": median_ms(baseline_sampler, logits, seeds, steps, t, p),
+                          "float32 cumsum compiled": median_ms(compiled_baseline, logits, seeds, steps, t, p),
+                          "integer sort eager": median_ms(_eager_sampler, logits, seeds, steps, t, p),
+                          "bisection eager": median_ms(_bisecting_sampler, logits, seeds, steps, t, p),
+                          "bisection compiled": median_ms(compiled_new, logits, seeds, steps, t, p)},
+                   "first_call_s": compile_s, "rows_off_float64": off, "compiled_bisection_equals_eager_sort": same}
             rows_out.append(row)
             print(json.dumps(row), flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows_out}

@@ -306,29 +306,35 @@ def test_sampler_noise_is_per_row_and_the_pruned_form_is_exact():
 
 
 
-def test_nucleus_is_the_exact_one_and_keeps_ties_together():
-    """The sort-free nucleus keeps what a float64 sort and cumulative sum keep (a float32 cumulative sum, the
-    usual form, drifts by a few tokens per row over a long tail), and tied tokens stand or fall together."""
-    from replaynoise.engines.sampling import _mask_outside_nucleus
+def test_both_nucleus_forms_keep_the_exact_nucleus_and_ties_together():
+    """Both forms of the top-p filter keep exactly the tokens a float64 computation keeps (every token whose
+    strictly better tokens hold less than top_p), with ties kept whole; a float32 cumulative sum over the sorted
+    row, the usual form, moves the edge by several tokens per row over a long tail."""
+    from replaynoise.engines.sampling import nucleus_by_bisection, nucleus_by_sorting
 
-    def by_sorting(scores, top_p):
-        ordered, order = torch.sort(scores.double(), dim=-1, descending=True)
-        probs = torch.softmax(ordered, dim=-1)
-        dropped = torch.cumsum(probs, dim=-1) - probs >= top_p
-        return torch.zeros_like(dropped).scatter_(-1, order, dropped)
+    def float64_dropped(scores, top_p):
+        probs = torch.softmax(scores.double(), dim=-1)
+        above = torch.stack([(probs[r] * (scores[r][None, :] > scores[r][:, None])).sum(-1)
+                             for r in range(scores.shape[0])])
+        return above >= top_p
 
     gen = torch.Generator().manual_seed(0)
-    for scale, top_p in ((0.01, 0.5), (1.0, 0.95), (3.0, 0.999), (30.0, 0.9)):
-        scores = torch.randn(32, 20000, generator=gen) * scale
-        kept = torch.isfinite(_mask_outside_nucleus(scores, top_p))
-        assert torch.equal(~kept, by_sorting(scores, top_p))
-        assert kept.sum(-1).min() >= 1
-    # four equal tokens, each 0.25 of the mass: a 0.3 nucleus keeps all of them, not the first two
-    assert torch.isfinite(_mask_outside_nucleus(torch.zeros(1, 4), 0.3)).all()
-    scores = torch.tensor([[2.0, 1.0, 1.0, -5.0]])
-    kept = torch.isfinite(_mask_outside_nucleus(scores, 0.75))
-    assert kept.tolist() == [[True, True, True, False]]
-    assert torch.isfinite(_mask_outside_nucleus(scores, 0.5)).tolist() == [[True, False, False, False]]
+    for scale, top_p, dtype in ((0.01, 0.5, torch.float32), (1.0, 0.95, torch.float32), (3.0, 0.999, torch.float32),
+                                (30.0, 0.9, torch.float32), (2.0, 0.95, torch.bfloat16), (6.0, 0.95, torch.bfloat16)):
+        # bf16 logits, as a bf16 model's, hold many equal values: the nucleus's edge often cuts a tie
+        scores = (torch.randn(8, 3000, generator=gen) * scale).to(dtype).to(torch.float32)
+        expected = float64_dropped(scores, top_p)
+        for form in (nucleus_by_bisection, nucleus_by_sorting):
+            kept = torch.isfinite(form(scores, top_p))
+            assert torch.equal(~kept, expected), (form.__name__, scale, top_p, dtype)
+            assert kept.sum(-1).min() >= 1
+    for form in (nucleus_by_bisection, nucleus_by_sorting):
+        # four equal tokens, each 0.25 of the mass: a 0.3 nucleus keeps all of them, not the first two
+        assert torch.isfinite(form(torch.zeros(1, 4), 0.3)).all()
+        scores = torch.tensor([[2.0, 1.0, 1.0, -5.0]])
+        assert torch.isfinite(form(scores, 0.7)).tolist() == [[True, True, True, False]]
+        assert torch.isfinite(form(scores, 0.5)).tolist() == [[True, False, False, False]]
+
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_static_decode_matches_the_dynamic_decode(family, tmp_path):

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from replaynoise.engines.sampling import logprob_rows, sample_rows, token_logprob_of
+from replaynoise.engines.sampling import logprob_rows, nucleus_by_bisection, sample_rows, token_logprob_of
 
 log = logging.getLogger(__name__)
 
@@ -191,11 +191,16 @@ def _eager_sampler(logits, seeds, steps, temperature, top_p):
     return sample_rows(logits, seeds, steps, temperature, top_p, exhaustive=True)
 
 
+def _bisecting_sampler(logits, seeds, steps, temperature, top_p):
+    return sample_rows(logits, seeds, steps, temperature, top_p, exhaustive=True, nucleus=nucleus_by_bisection)
+
+
 @functools.cache
 def _compiled_sampler():
-    """The exhaustive sampler fused by inductor into one pass over the logits (no [rows, vocab] int64
-    temporaries: at 512 rows x 151936 tokens each would be 620 MB of memory traffic per step), once per process."""
-    return _compiled(_eager_sampler)
+    """The exhaustive sampler fused by inductor, once per process: the noise in one pass over the logits (no
+    [rows, vocab] int64 temporaries: at 512 rows x 151936 tokens each would be 620 MB of memory traffic per step),
+    the top-p filter by bisection (a few fused passes instead of a sort of the vocabulary; the same tokens)."""
+    return _compiled(_bisecting_sampler)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -51,13 +51,61 @@ def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return _noise(keys[:, None], torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :])
 
 
+#: Fixed-point scale of the nucleus weights: a row of up to 2**21 tokens sums below 2**63 in int64.
+_WEIGHT_BITS = 42
+#: Bisection steps that pin the nucleus's threshold to one float32 value: the bit patterns of weights in [0, 1]
+#: span [0, 0x3F800000], under 2**30 values.
+_THRESHOLD_STEPS = 30
+
+
+def _nucleus_terms(scores: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]:
+    """Per row: the weights w = exp(score - best) in [0, 1] (their order is the scores'), the same as fixed-point
+    integers floor(w * 2**42), and the mass a nucleus must stay below, top_p of the row's integer total.
+
+    Integer sums are exact in any order, so both nucleus forms below keep exactly the same tokens, and which
+    tokens a row keeps depends on that row alone, never on its batch, kernel or device."""
+    weight = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
+    fixed = (weight * float(1 << _WEIGHT_BITS)).to(torch.int64)
+    return weight, fixed, fixed.sum(dim=-1, keepdim=True).to(torch.float64) * top_p
+
+
+def nucleus_by_sorting(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep, per row, every token whose strictly better tokens hold less than top_p of the mass; the rest -inf.
+    Tokens of equal weight stand or fall together.
+
+    The form for eager code: one sort of the weights (no indices) and a cumulative sum of their integers."""
+    weight, fixed, limit = _nucleus_terms(scores, top_p)
+    ordered = torch.sort(weight, dim=-1, descending=True).values
+    ordered_fixed = (ordered * float(1 << _WEIGHT_BITS)).to(torch.int64)
+    mass_before = torch.cumsum(ordered_fixed, dim=-1) - ordered_fixed
+    last = (mass_before < limit).sum(dim=-1, keepdim=True) - 1  # the best token always has none before it
+    return scores.masked_fill(weight < ordered.gather(-1, last), float("-inf"))
+
+
+def nucleus_by_bisection(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``nucleus_by_sorting``'s tokens without a sort: the threshold is found by bisection over the float32 bit
+    patterns of the weights, each step one masked integer sum per row. For compiled code, where inductor fuses
+    each step into one read of the row (on a GPU several times faster than a sort of the vocabulary); eager, each
+    step makes [rows, vocab] temporaries and is slower than the sort."""
+    weight, fixed, limit = _nucleus_terms(scores, top_p)
+    level = weight.view(torch.int32).to(torch.int64)  # monotone in the weight, for weights >= 0
+    # invariant: the mass strictly above level `low` reaches the limit, above `high` it does not (none is above 1.0)
+    low = torch.full_like(limit, -1, dtype=torch.int64)
+    high = torch.full_like(limit, 0x3F800000, dtype=torch.int64)
+    for _ in range(_THRESHOLD_STEPS):
+        mid = (low + high) // 2
+        short = torch.where(level > mid, fixed, 0).sum(dim=-1, keepdim=True) < limit
+        high, low = torch.where(short, mid, high), torch.where(short, low, mid)
+    return scores.masked_fill(level < high, float("-inf"))
+
+
 #: The noise is bounded (u in [2**-24, 1 - 2**-24]): a token whose score is this far below the row's best score
 #: can never win the argmax, so only the tokens above it need noise (1.0 of margin covers float32 rounding).
 _NOISE_SPAN = -math.log(-math.log(1 - 2.0 ** -24)) + math.log(-math.log(2.0 ** -24)) + 1.0
 
 
 def sample_rows(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, temperature: float,
-                top_p: float, exhaustive: bool = False) -> torch.Tensor:
+                top_p: float, exhaustive: bool = False, nucleus=nucleus_by_sorting) -> torch.Tensor:
     """Gumbel-max sampling of every row: argmax(logits / T + g), g the row's noise at its step.
 
     ``logits`` [rows, vocab] (any float dtype, computed in float32), ``seeds`` and ``steps`` int64 [rows] on the
@@ -66,12 +114,13 @@ def sample_rows(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, 
 
     By default the noise is computed only for the tokens that can still win (scores within the noise's span of
     the row's best), which gives the same token as the exhaustive form at a fraction of the memory traffic;
-    ``exhaustive=True`` computes it over the whole vocabulary, with static shapes (for CUDA graphs)."""
+    ``exhaustive=True`` computes it over the whole vocabulary, with static shapes (for CUDA graphs).
+    ``nucleus`` is either form of the top-p filter: the same tokens, by a sort or (compiled code) by bisection."""
     if temperature <= 0:
         return torch.argmax(logits, dim=-1)
     scores = logits.to(torch.float32) / temperature
     if top_p < 1.0:
-        scores = _mask_outside_nucleus(scores, top_p)
+        scores = nucleus(scores, top_p)
     keys = row_keys(seeds, steps)
     if exhaustive:
         return torch.argmax(scores + gumbel(keys, scores.shape[-1]), dim=-1)
@@ -99,36 +148,6 @@ class RowSampler:
         self.step += 1
         return int(sample_rows(logits[None, :], self.seed.to(logits.device), steps.to(logits.device),
                                self.temperature, self.top_p)[0])
-
-
-#: Fixed-point scale of the nucleus weights: a row of up to 2**21 tokens sums below 2**63 in int64.
-_WEIGHT_BITS = 42
-#: Bisection steps that pin the nucleus's threshold to one float32 value: the bit patterns of weights in [0, 1]
-#: span [0, 0x3F800000], under 2**30 values.
-_THRESHOLD_STEPS = 30
-
-
-def _mask_outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep, per row, every token whose strictly better tokens hold less than top_p of the mass; the rest -inf.
-
-    Without sorting the vocabulary: the threshold is found by bisection over the float32 bit patterns of the
-    weights w = exp(score - best) in [0, 1], whose order is the scores' order, each step one masked sum per row.
-    The weights enter those sums as fixed-point integers (floor(w * 2**42)), so every sum is exact, whatever the
-    reduction order: the kept set depends only on the row, never on the batch, the kernel or the device's
-    summation order. Tokens of equal weight are kept or dropped together."""
-    best = scores.max(dim=-1, keepdim=True).values
-    weight = torch.exp(scores - best)
-    level = weight.view(torch.int32).to(torch.int64)  # monotone in the weight, for weights >= 0
-    fixed = (weight * float(1 << _WEIGHT_BITS)).to(torch.int64)
-    limit = fixed.sum(dim=-1, keepdim=True).to(torch.float64) * top_p
-    # invariant: the mass strictly above level `low` reaches the limit, above `high` it does not (none is above 1.0)
-    low = torch.full_like(limit, -1, dtype=torch.int64)
-    high = torch.full_like(limit, 0x3F800000, dtype=torch.int64)
-    for _ in range(_THRESHOLD_STEPS):
-        mid = (low + high) // 2
-        short = torch.where(level > mid, fixed, 0).sum(dim=-1, keepdim=True) < limit
-        high, low = torch.where(short, mid, high), torch.where(short, low, mid)
-    return scores.masked_fill(level < high, float("-inf"))
 
 
 @functools.cache
