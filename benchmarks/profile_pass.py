@@ -14,6 +14,7 @@ busiest kernels and host operators.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -81,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON summary")
     args = ap.parse_args(argv)
 
-    cfg = validate_config(yaml.safe_load(args.configfile.read_text()))
+    text = args.configfile.read_text()
+    with contextlib.chdir(args.run):  # where the run's relative model paths resolve, as in the workflow
+        cfg = validate_config(yaml.safe_load(text))
     settings, r = cfg["configs"][args.config], cfg["replay"]
     results = args.run / "results"
     engine = make_engine(settings, prepared_model(results, settings), topk=cfg["pivots"]["topk"], threads=8)

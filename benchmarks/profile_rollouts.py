@@ -12,6 +12,7 @@ busiest kernels and host operators. Nothing of the run is changed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -53,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON summary")
     args = ap.parse_args(argv)
 
-    cfg = validate_config(yaml.safe_load(args.configfile.read_text()))
+    text = args.configfile.read_text()
+    with contextlib.chdir(args.run):  # where the run's relative model paths resolve, as in the workflow
+        cfg = validate_config(yaml.safe_load(text))
     settings = cfg["configs"][args.config]
     results = args.run / "results"
     engine = make_engine(settings, prepared_model(results, settings), topk=cfg["pivots"]["topk"], threads=8)

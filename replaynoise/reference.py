@@ -39,13 +39,14 @@ from replaynoise import control_report, figures
 from replaynoise.analysis import compare_passes, comparison_settings, pooled_comparison
 from replaynoise.config import analysis_hash
 from replaynoise.io import read_json, read_parquet, sha256_file, write_json
-from replaynoise.tables import headline_rows, write_headline_tables
+from replaynoise.tables import headline_rows, mismatch_lines, write_headline_tables
 
 #: How far a rebuilt number may move from the committed one and still be the same result (last-bit drift of
 #: floating point on another CPU; a real difference in a pivot moves a rate by 1/n, far more)
 DRIFT_TOLERANCE = 1e-9
-#: comparison.json entries computed from the replayed rows, which a reference folder does not hold
-FROM_ROWS = ("probe", "verification", "prefix_cache", "controls")
+#: comparison.json entries computed from the replayed rows (the prefix mismatch from every prefix token's two
+#: log-probs), which a reference folder does not hold
+FROM_ROWS = ("probe", "verification", "prefix_cache", "controls", "prefix_mismatch")
 
 #: What a snapshot keeps: small, human-readable outputs. Parquet tables and KV files stay out; the manifest
 #: still carries their checksums.
@@ -265,7 +266,8 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
     written.append(out / "analysis" / "pooled" / "comparison.json")
     write_json(pooled, written[-1])
     tables = [out / "tables" / f"headline.{ext}" for ext in ("csv", "md", "tex")]
-    write_headline_tables(headline_rows({**comparisons, "pooled": pooled}), pooled_ref["analysis_hash"], *tables)
+    everything = {**comparisons, "pooled": pooled}
+    write_headline_tables(headline_rows(everything), pooled_ref["analysis_hash"], *tables, mismatch_lines(everything))
     written += tables
     drawn = {name: comparisons for name in figures.FROM_COMPARISONS} | {name: credits for name in figures.FROM_CREDIT}
     drawn["channel_agreement"] = {c: (comparisons[c], committed[c][1]) for c in configs}
@@ -297,7 +299,8 @@ def refresh_tables(reference: Path) -> list[Path]:
     pooled = read_json(reference / "analysis" / "pooled" / "comparison.json")
     results = {c: read_json(reference / "analysis" / c / "comparison.json") for c in pooled["configs"]}
     tables = [reference / name for name in HEADLINE_FILES]
-    write_headline_tables(headline_rows({**results, "pooled": pooled}), pooled["analysis_hash"], *tables)
+    everything = {**results, "pooled": pooled}
+    write_headline_tables(headline_rows(everything), pooled["analysis_hash"], *tables, mismatch_lines(everything))
     manifest_path = reference / "MANIFEST.sha256"
     lines = manifest_path.read_text().splitlines()
     digests = {name: sha256_file(reference / name) for name in HEADLINE_FILES}

@@ -100,6 +100,15 @@ def test_rebuild_of_a_committed_gpu_reference_agrees_with_its_manifest(tmp_path,
     assert "| gemma3-bf16 | main | sign | 475 (32) |" in (tmp_path / "rebuilt" / "tables" / "headline.md").read_text()
 
 
+def test_rebuild_keeps_the_prefix_mismatch_a_reference_cannot_recompute(tmp_path, capsys):
+    """The mismatch channel comes from every prefix token's two log-probs, which a reference folder does not
+    hold: a rebuild carries the committed block, and the rebuilt tables keep its sentence and agree."""
+    assert main(["rebuild", str(GPU / "smollm2-mismatch"), str(tmp_path / "rebuilt")]) == 0
+    assert "differs" not in capsys.readouterr().out
+    table = (tmp_path / "rebuilt" / "tables" / "headline.md").read_text()
+    assert "- prefix mismatch: smollm2-bf16: at this configuration's mean k3_kl of 0.00137" in table
+
+
 def test_rebuild_names_a_changed_pivot_and_the_table_cells_it_moves(tmp_path, capsys):
     reference = tmp_path / "gemma"
     shutil.copytree(GPU / "gemma", reference)
