@@ -167,11 +167,11 @@ class HFRollouts:
             del cache, layers, stacked
             decoder.step_no.fill_(1)  # token 0 came from the prefill: the decode samples steps 1, 2, ...
         last, host = self._record_steps(decoder, records, range(1, steps), n, before=0)
-        with self.phases("results to host"):
-            # the whole batch's KV to the host in one copy (not one per row and layer); rows are views of it
-            kv = decoder.kv[:, :, :n, :, :longest + last].cpu()
         rollouts = [self._rollout_of(req, *rec) for req, *rec in zip(requests, *host)]
-        return [(r, kv[:, :, row:row + 1, :, longest - len(r.prompt_ids):longest + len(r.response_ids) - 1])
+        # Each row's KV stays a view of the decoder's buffer, which no other batch touches before the rows are
+        # stored: storing copies to the host only the positions a row's pivots need (``keep_len``), a fifth of the
+        # buffer at the 7B shape, where a copy of the whole buffer to pageable memory took 1.4 s of a 9.4 s loop.
+        return [(r, decoder.kv[:, :, row:row + 1, :, longest - len(r.prompt_ids):longest + len(r.response_ids) - 1])
                 for row, r in enumerate(rollouts)]
 
     @torch.inference_mode()
