@@ -14,6 +14,7 @@ warm-up), the compile time, and how many rows' kept sets differ from a float64 c
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -22,7 +23,15 @@ from pathlib import Path
 import torch
 
 from replaynoise.engines import sampling
-from replaynoise.engines.fast import _bisecting_sampler, _compiled, _eager_sampler
+
+#: the two samplers a static decoder captures: eager decoders sort, compiled ones bisect (``engines.fast``)
+eager_sort = functools.partial(sampling.sample_rows, exhaustive=True, nucleus=sampling.nucleus_by_sorting)
+bisecting = functools.partial(sampling.sample_rows, exhaustive=True, nucleus=sampling.nucleus_by_bisection)
+
+
+def compiled(fn):
+    """``fn`` compiled as a compiled decoder compiles its sampler: fixed shapes, one graph."""
+    return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
 def sorted_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -76,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     t, p = args.temperature, args.top_p
-    compiled_baseline, compiled_new = _compiled(baseline_sampler), _compiled(_bisecting_sampler)
+    compiled_baseline, compiled_new = compiled(baseline_sampler), compiled(bisecting)
     rows_out = []
     for rows in args.rows:
         gen = torch.Generator(device="cuda").manual_seed(rows)
@@ -94,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             off = {name: int(((torch.isinf(fn(scores, p)) != reference).any(-1)).sum())
                    for name, fn in (("bisection", sampling.nucleus_by_bisection),
                                     ("integer sort", sampling.nucleus_by_sorting), ("float32 cumsum", sorted_nucleus))}
-            same = torch.equal(compiled_new(logits, seeds, steps, t, p), _eager_sampler(logits, seeds, steps, t, p))
+            same = torch.equal(compiled_new(logits, seeds, steps, t, p), eager_sort(logits, seeds, steps, t, p))
             row = {"rows": rows, "vocab": args.vocab, "spread": spread, "top_p": p,
                    "kept_mean": float((~reference).sum(-1).float().mean()),
                    "ms": {"float32 cumsum eager": median_ms(baseline_sampler, logits, seeds, steps, t, p),
                           "float32 cumsum compiled": median_ms(compiled_baseline, logits, seeds, steps, t, p),
-                          "integer sort eager": median_ms(_eager_sampler, logits, seeds, steps, t, p),
-                          "bisection eager": median_ms(_bisecting_sampler, logits, seeds, steps, t, p),
+                          "integer sort eager": median_ms(eager_sort, logits, seeds, steps, t, p),
+                          "bisection eager": median_ms(bisecting, logits, seeds, steps, t, p),
                           "bisection compiled": median_ms(compiled_new, logits, seeds, steps, t, p)},
                    "first_call_s": compile_s, "rows_off_float64": off, "compiled_bisection_equals_eager_sort": same}
             rows_out.append(row)
