@@ -276,6 +276,26 @@ def _check_semantics(config: dict) -> None:
         _check_engine(name, settings, config["replay"]["passes"])
         _check_vllm_settings(name, settings, budget, context, heads, config["resources"]["gpus"])
     _check_passes(config["replay"]["passes"])
+    _check_cross_scoring(config)
+
+
+def _check_cross_scoring(config: dict) -> None:
+    """Each pair names two configurations of the run, different ones, of the same model: a scorer of another
+    model would read the rollouts' token ids with another vocabulary."""
+    configs = config["configs"]
+    for i, pair in enumerate(config["analysis"].get("cross_scoring", [])):
+        key = f"analysis.cross_scoring[{i}]"
+        for role in ("rollouts", "scorer"):
+            if pair[role] not in configs:
+                raise ConfigError(f"config key {key}.{role}: {pair[role]!r} is not a configuration of this run "
+                                  f"({', '.join(sorted(configs))})")
+        if pair["rollouts"] == pair["scorer"]:
+            raise ConfigError(f"config key {key}: the rollouts and the scorer are both {pair['scorer']!r}; a "
+                              "configuration's own re-feed is its refeed pass's prefix mismatch already")
+        models = configs[pair["rollouts"]]["model"], configs[pair["scorer"]]["model"]
+        if models[0] != models[1]:
+            raise ConfigError(f"config key {key}: the rollouts' model {models[0]!r} and the scorer's {models[1]!r} "
+                              "differ; a scorer must read the rollouts' token ids with the same vocabulary")
 
 
 def _check_pivots_possible(config: dict) -> None:

@@ -109,7 +109,7 @@ def mismatch_rows(rollouts: pl.DataFrame, pivots: pl.DataFrame, passes: Mapping[
     return pl.DataFrame(rows, schema=MISMATCH_SCHEMA).sort("pass", "pivot_id")
 
 
-def _pooled(rows: pl.DataFrame) -> dict[str, Any]:
+def pooled_metrics(rows: pl.DataFrame) -> dict[str, Any]:
     """A pass's metrics over all tokens of all its scored pivots, as a framework's batch metric pools the
     tokens of a batch; beside it the mean of the per-pivot k3_kl."""
     decode = np.concatenate([np.asarray(x, dtype=np.float64) for x in rows["decode_logprobs"]] or [np.zeros(0)])
@@ -230,7 +230,7 @@ def mismatch_summary(mismatch: pl.DataFrame, credit: Mapping[str, pl.DataFrame],
     scored = sorted(set(mismatch["pass"].to_list()))
     out: dict[str, Any] = {
         "definitions": dict(DEFINITIONS),
-        "passes": {name: _pooled(mismatch.filter(pl.col("pass") == name)) for name in scored},
+        "passes": {name: pooled_metrics(mismatch.filter(pl.col("pass") == name)) for name in scored},
         "not_scored": sorted(p for p in credit if p not in scored),
         "not_scored_reason": "resumes the decode-time state (no prefix computed), is a transplant, re-tokenizes "
                              "to other ids, or its rollouts kept no decode-time log-probs",

@@ -205,7 +205,7 @@ def probe_frame(records: pl.DataFrame) -> pl.DataFrame:
 def default_settings() -> dict:
     """The analysis settings of the embedded default (schema defaults): the paper's definitions."""
     schema = load_schema()["properties"]
-    settings = {key: spec["default"] for key, spec in schema["analysis"]["properties"].items()}
+    settings = {key: spec["default"] for key, spec in schema["analysis"]["properties"].items() if "default" in spec}
     settings["seed"] = schema["seed"]["default"]
     return settings
 

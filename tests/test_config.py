@@ -521,3 +521,45 @@ def test_serial_pivots_exists_only_where_the_serial_pass_runs(committed):
     config["replay"]["serial_pivots"] = 0
     with pytest.raises(ConfigError, match=r"replay\.serial_pivots: 0 is less than the minimum of 1"):
         validate_config(config)
+
+
+def test_cross_scoring_names_two_configurations_of_one_model_and_leaves_the_hash_alone_when_absent():
+    two = {"configs": {"a": {"model": "smollm2-135m"}, "b": {"model": "smollm2-135m", "dtype": "float32"},
+                       "q": {"model": "qwen2.5-coder-0.5b"}}}
+    assert "cross_scoring" not in validate_config(two)["analysis"]  # absent: no filled default, the hash as before
+    pair = {"rollouts": "a", "scorer": "b"}
+    given = validate_config({**two, "analysis": {"cross_scoring": [pair]}})
+    assert given["analysis"]["cross_scoring"] == [pair]
+    assert analysis_hash(given) != analysis_hash(validate_config(two))
+    refused = ((("a", "c"), r"cross_scoring\[0\]\.scorer: 'c' is not a configuration"),
+               (("a", "a"), r"cross_scoring\[0\]: the rollouts and the scorer are both"),
+               (("a", "q"), r"cross_scoring\[0\]: the rollouts' model 'smollm2-135m' and the scorer's "
+                            r"'qwen2.5-coder-0.5b' differ"))
+    for (rollouts, scorer), message in refused:
+        bad = {"rollouts": rollouts, "scorer": scorer}
+        with pytest.raises(ConfigError, match=message):
+            validate_config({**two, "analysis": {"cross_scoring": [bad]}})
+
+
+def test_a_cross_scoring_pair_plans_one_job_of_the_scorer_on_the_rollouts_pivots(tmp_path):
+    """The scorer's model job reads the other configuration's rollouts and pivots; both its outputs are in the
+    manifest; without the key the plan has no such job."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    overlay = tmp_path / "cross.yaml"
+    two = {"configs": {"smollm2-bf16": {"model": "smollm2-135m"},
+                       "smollm2-fp32": {"model": "smollm2-135m", "dtype": "float32"}}}
+    overlay.write_text(yaml.safe_dump({**two, "analysis": {"cross_scoring": [
+        {"rollouts": "smollm2-bf16", "scorer": "smollm2-fp32"}]}}))
+    proc = dry_run(workdir, overlay)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert job_counts(proc.stdout)["cross_score"] == 1
+    job = proc.stdout.split("rule cross_score:", 1)[1].split("\n\n", 1)[0]
+    assert ("input: results/models/smollm2-135m-float32, results/rollouts/smollm2-bf16/rollouts.parquet, "
+            "results/pivots/smollm2-bf16.parquet") in job
+    assert ("output: results/cross/smollm2-bf16/smollm2-fp32.parquet, "
+            "results/cross/smollm2-bf16/smollm2-fp32.json") in job
+    manifest = proc.stdout.split("rule manifest:", 1)[1].split("\n\n", 1)[0]
+    assert "results/cross/smollm2-bf16/smollm2-fp32.json" in manifest
+    overlay.write_text(yaml.safe_dump(two))
+    assert "cross_score" not in job_counts(dry_run(workdir, overlay).stdout)

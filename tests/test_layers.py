@@ -21,7 +21,7 @@ LAYERS = [
     ["engines.hf_rollouts"],
     ["engines.hf", "config", "rollouts", "replay", "analysis", "controls"],
     ["engines", "tables", "figures", "provenance", "mismatch"],
-    ["control_report"],
+    ["control_report", "cross"],
     ["reference", "reanalyze"],
 ]
 #: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when

@@ -10,10 +10,12 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from conftest import TINY, clone_run, snakemake
 from tinymodel import VOCAB, Tokenizer, tiny_llama
 
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
 from replaynoise.engines.hf import HFEngine
+from replaynoise.io import read_json, read_parquet
 from replaynoise.mismatch import METRICS, credit_link, mismatch_rows, mismatch_summary, token_metrics
 
 ROLLOUT = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=14)
@@ -187,3 +189,61 @@ def test_mismatch_rows_set_the_passes_prefix_against_the_rollouts_tokens():
     bad = refeed.with_columns(pl.Series("prefix_logprobs", [[-0.1], None], dtype=pl.List(pl.Float64)))
     with pytest.raises(ValueError, match="pass 'refeed', pivot 'q.r0@2': 1 re-fed log-probs for a prefix of 2"):
         mismatch_rows(rollouts, pivots, {"refeed": bad})
+
+
+# ------------------------------------------------------------------------------------------------ across engines
+
+def tables_of(rollouts) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The rollouts and pivots tables of ``made``'s rollouts, a pivot at every interior response position."""
+    frame = pl.DataFrame([{"problem_id": r.problem_id, "rollout": r.rollout, "prompt_ids": r.prompt_ids,
+                           "response_ids": r.response_ids, "kv_file": r.kv_file, "kv_sha256": r.kv_sha256,
+                           "logits_digests": r.logits_digests, "response_logprobs": r.token_logprobs}
+                          for r in rollouts])
+    pivots = pl.DataFrame([{"pivot_id": f"{r.problem_id}@{t}", "problem_id": r.problem_id, "rollout": r.rollout,
+                            "t": t, "orig_token": r.response_ids[t], "sub_token": (r.response_ids[t] + 1) % VOCAB}
+                           for r in rollouts for t in range(1, len(r.response_ids) - 1)])
+    return frame, pivots
+
+
+def test_a_scorer_sets_its_prefill_against_the_rollouts_engine_once_per_pivot(model, tmp_path):
+    """One configuration's rollouts scored by another's engine: one row per pivot, its prefix's response tokens;
+    the same bits where the scorer computes as the rollouts' engine did (invariant kernels, the same weights),
+    a measured gap where it computes in another dtype."""
+    from replaynoise.cross import cross_mismatch
+
+    rollouts, pivots = tables_of(made(engine(model, "invariant", "dynamic"), tmp_path))
+    kwargs = dict(rollouts_config="a", seed=3, sampling=CONTINUE, batch_size=7)
+    rows, summary = cross_mismatch(engine(model, "invariant", "dynamic"), rollouts, pivots, scorer_config="a-again",
+                                   **kwargs)
+    assert rows["pivot_id"].to_list() == sorted(pivots["pivot_id"].to_list())
+    assert rows["pass"].unique().to_list() == ["a-again"]
+    assert rows["n_tokens"].to_list() == [int(p.split("@")[1]) for p in rows["pivot_id"]]
+    assert summary["metrics"]["zero"] and summary["metrics"]["k3_kl"] == 0.0
+    assert summary["n_pivots_asked"] == pivots.height and set(summary["definitions"]) == set(METRICS)
+    fp32 = HFEngine(tiny_llama(torch.float32), Tokenizer(), kernels="stock", decode="dynamic", topk=VOCAB, **SHAPE)
+    other, summary = cross_mismatch(fp32, rollouts, pivots, scorer_config="b", **kwargs)
+    assert other["pivot_id"].to_list() == rows["pivot_id"].to_list()
+    assert not summary["metrics"]["zero"] and 0 < summary["metrics"]["k3_kl"] < 0.05
+
+
+@pytest.mark.slow
+def test_the_workflow_scores_one_configurations_pivots_with_anothers_engine(tiny_run, tmp_path):
+    """A finished run gains a second configuration of its model (its CPU matmuls in bf16, not fp32) and a cross
+    pair: the scorer's one job reads the first configuration's rollouts and pivots and nothing of theirs reruns."""
+    run = clone_run(tiny_run, tmp_path / "run")
+    native = {**TINY["configs"]["tiny"], "cpu_matmul": "native"}
+    pair = {"rollouts": "tiny", "scorer": "tiny-native"}
+    config = {**TINY, "configs": {**TINY["configs"], "tiny-native": native},
+              "analysis": {**TINY.get("analysis", {}), "cross_scoring": [pair]}}
+    before = (run / "results" / "rollouts" / "tiny" / "rollouts.parquet").stat().st_mtime_ns
+    proc = snakemake(run, config, "results/cross/tiny/tiny-native.json")
+    jobs = proc.stdout + proc.stderr  # the plan's table of jobs, on stderr
+    assert "cross_score" in jobs and "generate_rollouts" not in jobs and "select_pivots" not in jobs, jobs
+    assert (run / "results" / "rollouts" / "tiny" / "rollouts.parquet").stat().st_mtime_ns == before
+    pivots = read_parquet(run / "results" / "pivots" / "tiny.parquet")
+    rows = read_parquet(run / "results" / "cross" / "tiny" / "tiny-native.parquet")
+    summary = read_json(run / "results" / "cross" / "tiny" / "tiny-native.json")
+    assert sorted(rows["pivot_id"].to_list()) == sorted(pivots["pivot_id"].to_list())
+    assert rows["pass"].unique().to_list() == ["tiny-native"]
+    assert (summary["rollouts"], summary["scorer"], summary["n_pivots_asked"]) == ("tiny", "tiny-native", pivots.height)
+    assert summary["metrics"]["n_tokens"] == sum(rows["n_tokens"]) > 0 and summary["metrics"]["k3_kl"] > 0

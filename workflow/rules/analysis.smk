@@ -17,6 +17,37 @@ rule prefix_mismatch:
         "../scripts/prefix_mismatch.py"
 
 
+# One configuration's rollouts scored by another's model and engine (analysis.cross_scoring): a model job of the
+# scorer, {config}, on the pivots of {rollouts}.
+rule cross_score:
+    input:
+        model=model_dir,
+        rollouts=lambda w: rollouts_file(w.rollouts),
+        pivots=lambda w: pivots_file(w.rollouts),
+    output:
+        rows=cross_file("{rollouts}", "{config}", "parquet"),
+        summary=cross_file("{rollouts}", "{config}", "json"),
+    log:
+        f"{LOGS}/cross_score/{{rollouts}}.{{config}}.log",
+    benchmark:
+        benchmark_file("cross_score", "{rollouts}.{config}")
+    conda:
+        engine_env
+    threads: heavy("replay", "threads")
+    resources:
+        mem_mb=heavy("replay", "mem_mb"),
+        runtime=heavy("replay", "runtime"),
+        gpu=gpus,
+    params:
+        code=code_version("cross_score"),
+        settings=settings,
+        seed=config["seed"],
+        batch_size=config["replay"]["batch_size"],
+        topk=config["pivots"]["topk"],
+    script:
+        "../scripts/cross_score.py"
+
+
 rule compare_passes:
     input:
         credit=lambda w: [credit_file(w.config, p) for p in RUN_PASSES],

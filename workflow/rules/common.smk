@@ -67,6 +67,7 @@ SHARDS = shard_names(config["dataset"]["n_problems"], config["resources"]["shard
 
 wildcard_constraints:
     config="|".join(re.escape(c) for c in CONFIGS),
+    rollouts="|".join(re.escape(c) for c in CONFIGS),
     pass_name="|".join(RUN_PASSES),
     shard=r"\d\d\d+",
 
@@ -161,6 +162,15 @@ def comparison_file(config_name):
 
 def channels_file(config_name):
     return f"results/analysis/{config_name}/channels.csv"
+
+
+def cross_file(rollouts_config, scorer_config, ext):
+    """One configuration's pivots' prefixes scored by another's engine (analysis.cross_scoring): the per-pivot
+    rows (parquet) and the pooled metrics (json)."""
+    return f"results/cross/{rollouts_config}/{scorer_config}.{ext}"
+
+
+CROSS_PAIRS = [(pair["rollouts"], pair["scorer"]) for pair in config["analysis"].get("cross_scoring", [])]
 
 
 def mismatch_file(config_name):
@@ -285,6 +295,7 @@ def manifest_inputs(wildcards=None):
         files += [pass_file(c, p) for p in RUN_PASSES] + [credit_file(c, p) for p in RUN_PASSES]
         files += [comparison_file(c), channels_file(c)]
     files += [comparison_file("pooled")]
+    files += [cross_file(a, b, ext) for a, b in CROSS_PAIRS for ext in ("parquet", "json")]
     files += [table_file("headline", ext) for ext in ("csv", "md", "tex")]
     files += [table_file(name, ext) for name in CONTROL_TABLES for ext in ("csv", "md")]
     files += rules.figures.input
@@ -331,4 +342,13 @@ def timed_jobs():
                 }
                 for p in RUN_PASSES
             ]
+    jobs += [
+        {
+            "rule": "cross_score",
+            "benchmark": benchmark_file("cross_score", f"{a}.{b}"),
+            "gpus": gpus_of(b),
+            "threads": heavy("replay", "threads"),
+        }
+        for a, b in CROSS_PAIRS
+    ]
     return jobs
