@@ -53,6 +53,14 @@ def timed_steps(engine) -> list:
     return events
 
 
+def run_config(run: Path, configfile: Path) -> dict:
+    """The run's configuration, validated from its folder, where its relative model paths resolve (the workflow
+    runs there)."""
+    text = configfile.read_text()
+    with contextlib.chdir(run):
+        return validate_config(yaml.safe_load(text))
+
+
 def publish(summary: dict, averages, out: Path | None) -> None:
     """Print the summary and the busiest kernels and host operators; write the summary to ``out`` if given."""
     print(json.dumps(summary, indent=1))
@@ -82,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON summary")
     args = ap.parse_args(argv)
 
-    text = args.configfile.read_text()
-    with contextlib.chdir(args.run):  # where the run's relative model paths resolve, as in the workflow
-        cfg = validate_config(yaml.safe_load(text))
+    cfg = run_config(args.run, args.configfile)
     settings, r = cfg["configs"][args.config], cfg["replay"]
     results = args.run / "results"
     engine = make_engine(settings, prepared_model(results, settings), topk=cfg["pivots"]["topk"], threads=8)

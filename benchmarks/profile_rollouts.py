@@ -12,20 +12,17 @@ busiest kernels and host operators. Nothing of the run is changed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import yaml
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.profile_pass import prepared_model, publish, timed_steps
+from benchmarks.profile_pass import prepared_model, publish, run_config, timed_steps
 from benchmarks.replay_throughput import roofline
 from replaynoise import rollouts
-from replaynoise.config import validate_config
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import SamplingSettings
 from replaynoise.io import read_parquet
@@ -54,9 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="JSON summary")
     args = ap.parse_args(argv)
 
-    text = args.configfile.read_text()
-    with contextlib.chdir(args.run):  # where the run's relative model paths resolve, as in the workflow
-        cfg = validate_config(yaml.safe_load(text))
+    cfg = run_config(args.run, args.configfile)
     settings = cfg["configs"][args.config]
     results = args.run / "results"
     engine = make_engine(settings, prepared_model(results, settings), topk=cfg["pivots"]["topk"], threads=8)
