@@ -30,6 +30,7 @@ from replaynoise.config import validate_config
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import SamplingSettings
 from replaynoise.io import read_json, read_parquet
+from replaynoise.provenance import git_commit
 
 
 def timed_steps(engine) -> list:
@@ -61,6 +62,11 @@ def run_config(run: Path, configfile: Path) -> dict:
         return validate_config(yaml.safe_load(text))
 
 
+def measured(commit: str | None) -> dict:
+    """What a result was measured with: the commit (given, or this folder's git HEAD) and torch's version."""
+    return {"commit": commit or git_commit(Path(__file__).parents[1]).get("commit"), "torch": torch.__version__}
+
+
 def publish(summary: dict, averages, out: Path | None) -> None:
     """Print the summary and the busiest kernels and host operators; write the summary to ``out`` if given."""
     print(json.dumps(summary, indent=1))
@@ -88,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pass", dest="pass_name", default="exact", choices=sorted(passes.PASSES))
     ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None, help="JSON summary")
+    ap.add_argument("--commit", default=None, help="the commit measured, where the code's folder is no git clone")
     args = ap.parse_args(argv)
 
     cfg = run_config(args.run, args.configfile)
@@ -139,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     roof = roofline(engine.model, r["batch_size"], context)
     median_step = sorted(step_ms)[len(step_ms) // 2]
     summary = {
-        "config": args.config, "pass": args.pass_name, "device": torch.cuda.get_device_name(),
+        **measured(args.commit), "config": args.config, "pass": args.pass_name,
+        "device": torch.cuda.get_device_name(),
         "batch_size": r["batch_size"], "batches": n, "rows": sum(map(len, batches[2:2 + n])), "tokens": tokens,
         "wall_s": wall, "tokens_per_s": tokens / wall, "phases_s": phases, "warmup_phases_s": warm,
         "decode_steps": len(step_ms), "step_ms_median": median_step, "step_ms_sum": sum(step_ms),

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.profile_pass import prepared_model, publish, run_config, timed_steps
+from benchmarks.profile_pass import measured, prepared_model, publish, run_config, timed_steps
 from benchmarks.replay_throughput import roofline
 from replaynoise import rollouts
 from replaynoise.engines import make_engine
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configfile", type=Path, required=True)
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", type=Path, default=None, help="JSON summary")
+    ap.add_argument("--commit", default=None, help="the commit measured, where the code's folder is no git clone")
     args = ap.parse_args(argv)
 
     cfg = run_config(args.run, args.configfile)
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = min(cfg["rollouts"]["batch_size"], problems.height * cfg["rollouts"]["per_problem"])  # one batch's rows
     roof = roofline(engine.model, rows, settings["max_new_tokens"] / 2 + 100)
     summary = {
-        "config": args.config, "device": torch.cuda.get_device_name(), "rows_per_batch": rows,
+        **measured(args.commit), "config": args.config, "device": torch.cuda.get_device_name(), "rows_per_batch": rows,
         "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "phases_s": phases,
         "phase_share_of_loop": {k: v / loop for k, v in phases.items()}, "warmup_phases_s": warm,
         "decode_steps": len(step_ms), "step_ms_median": step_ms[len(step_ms) // 2] if step_ms else None,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.profile_pass import measured
 from replaynoise.engines import sampling
 
 #: the two samplers a static decoder captures: eager decoders sort, compiled ones bisect (``engines.fast``)
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--commit", default=None, help="the commit measured, where the code's folder is no git clone")
     args = ap.parse_args(argv)
     t, p = args.temperature, args.top_p
     compiled_baseline, compiled_new = compiled(baseline_sampler), compiled(bisecting)
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                    "first_call_s": compile_s, "rows_off_float64": off, "compiled_bisection_equals_eager_sort": same}
             rows_out.append(row)
             print(json.dumps(row), flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows_out}
+    result = {**measured(args.commit), "device": torch.cuda.get_device_name(), "rows": rows_out}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
