@@ -28,6 +28,9 @@ for cfg in "$@"; do
         cp -r "$WORK"/results/credit/* "$WORK/reference/credit/"
         cp -r "$WORK"/results/logs/* "$WORK/reference/logs/"
         cp "$WORK/h200-pipeline.json" "$WORK/reference/"
+        for m in "$WORK"/results/models/*/replaynoise-model.json; do  # what made each model (a trained one's recipe)
+            mkdir -p "$WORK/reference/models/$(basename "$(dirname "$m")")" && cp "$m" "$_/"
+        done
         tar -C "$WORK" -czf "$out/$name.tgz" reference
         ls -la "$out/$name.tgz"
     elif [ -d "$WORK/results/logs" ]; then  # unfinished or failed: bring back the logs to see why

@@ -58,7 +58,7 @@ def rows_for(run: Path, config: dict) -> list[dict]:
     out = []
     for bench in sorted((results / "benchmarks").glob("*/*.tsv")):
         rule = bench.parent.name
-        if rule == "prepare_model":
+        if rule in ("prepare_model", "train_grpo"):  # per model, not per shard: no generated-token rate
             continue
         cfg, shard = bench.stem.rsplit(".", 1)
         table_file = (results / "rollouts" / cfg / "shards" / f"{shard}.parquet" if rule == "generate_rollouts"

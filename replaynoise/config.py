@@ -274,9 +274,23 @@ def _check_semantics(config: dict) -> None:
                 f"rollout tokens plus {config['replay']['max_new_tokens']} continuation tokens reach {budget}, "
                 f"beyond the {context} positions {settings['model']} attends over (with the prompt)")
         _check_engine(name, settings, config["replay"]["passes"])
+        _check_training(name, settings)
         _check_vllm_settings(name, settings, budget, context, heads, config["resources"]["gpus"])
     _check_passes(config["replay"]["passes"])
     _check_cross_scoring(config)
+
+
+def _check_training(name: str, settings: dict) -> None:
+    """A train block whose completions do not split into equal micro-batches would leave some unused (TRL
+    refuses it deep inside its setup); said here, with both numbers."""
+    train = settings.get("train")
+    if train is None:
+        return
+    completions = train["prompts_per_step"] * train["generations"]
+    if completions % train["micro_batch"]:
+        raise ConfigError(f"config key configs.{name}.train.micro_batch: {train['micro_batch']} does not divide the "
+                          f"{completions} completions of a step (prompts_per_step {train['prompts_per_step']} x "
+                          f"generations {train['generations']}); choose a divisor of {completions}")
 
 
 def _check_cross_scoring(config: dict) -> None:

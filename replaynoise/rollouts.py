@@ -23,9 +23,9 @@ from replaynoise.grading import extract_answer, is_correct
 from replaynoise.io import intact_scratch, keyed_scratch, write_parquet
 from replaynoise.pivots import PivotRules, rollout_pivots
 from replaynoise.progress import TokenProgress
+from replaynoise.prompts import chat_turns, check_chat_template, check_style, plain_text
 from replaynoise.seeds import derive_seed
 
-PROMPT_STYLES = ("chat", "plain")
 #: What a problem whose prompt leaves its rollout too few of the context's positions gets (rollouts.long_prompts):
 #: the step refuses before any generation, or leaves it out and counts it in the log.
 LONG_PROMPTS = ("refuse", "skip")
@@ -37,21 +37,13 @@ _LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 def prompt_ids(tokenizer, question: str, style: str, instruction: str, shots: list[dict] = ()) -> list[int]:
     """The prompt as token ids: the chat template for instruct models, a plain Q/A frame for base models, with
     the worked examples ``shots`` ({question, answer}) before the question in the same frame."""
-    def ask(q: str) -> str:
-        return f"{instruction} {q}".strip() if instruction else q
-
+    check_style(style)
     if style == "chat":
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("prompt.style is 'chat' but the model has no chat template; use prompt.style: plain")
-        turns = [turn for shot in shots for turn in ({"role": "user", "content": ask(shot["question"])},
-                                                     {"role": "assistant", "content": shot["answer"]})]
-        ids = tokenizer.apply_chat_template(turns + [{"role": "user", "content": ask(question)}],
-                                            add_generation_prompt=True, tokenize=True)
+        check_chat_template(tokenizer)
+        ids = tokenizer.apply_chat_template(chat_turns(question, instruction, shots), add_generation_prompt=True,
+                                            tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    if style == "plain":
-        examples = "".join(f"Question: {ask(shot['question'])}\nAnswer: {shot['answer']}\n\n" for shot in shots)
-        return list(tokenizer(f"{examples}Question: {ask(question)}\nAnswer:", add_special_tokens=True)["input_ids"])
-    raise ValueError(f"prompt.style must be one of {PROMPT_STYLES}, got {style!r}")
+    return list(tokenizer(plain_text(question, instruction, shots), add_special_tokens=True)["input_ids"])
 
 
 def overlong_prompts(prompts: Mapping[str, Sequence[int]], budget: int, context: int | None) -> dict[str, int]:

@@ -155,8 +155,8 @@ BAD_VALUES = {
                       "replica_fresh, refeed_replica, serial, transplant_decode", "transplant_refeed_lo<L>"]),
     "passes-without-refeed": ("replay.passes", ["exact", "replica", "selector"], ["replay.passes", "'refeed'"]),
     "unknown-source": ("dataset.source", "mnist",
-                       ["dataset.source", "'mnist'", "allowed values: simple_addsub, gsm8k, svamp, mawps_addsub, "
-                        "mawps_singleop, mawps_multiarith, mawps_singleeq, file"]),
+                       ["dataset.source", "'mnist'", "allowed values: simple_addsub, gsm8k, gsm8k_train, svamp, "
+                        "mawps_addsub, mawps_singleop, mawps_multiarith, mawps_singleeq, file"]),
     "bad-dtype": (f"configs.{CONFIG_NAME}.dtype", "int8",
                   [f"configs.{CONFIG_NAME}.dtype", "'int8'", "allowed values: bfloat16, float16, float32"]),
     "n-problems-string": ("dataset.n_problems", "12", ["dataset.n_problems", "not of type 'integer'"]),

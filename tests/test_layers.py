@@ -14,14 +14,15 @@ PACKAGE = REPO / "replaynoise"
 #: Bottom to top. A module may import only modules of earlier layers (or of its own package's base).
 LAYERS = [
     ["io", "logs", "progress", "seeds", "shards", "passes", "stats"],
-    ["packages", "grading", "pivots", "credit", "cost", "channels", "engines.sampling", "engines.base"],
+    ["packages", "grading", "prompts", "training_log", "pivots", "credit", "cost", "channels", "engines.sampling",
+     "engines.base"],
     ["datasets"],
     ["models", "engines.kvfiles", "engines.fast", "engines.vllm"],
     ["engines.states"],
     ["engines.hf_rollouts"],
-    ["engines.hf", "config", "rollouts", "replay", "analysis", "controls"],
+    ["engines.hf", "config", "rollouts", "replay", "analysis", "controls", "training"],
     ["engines", "tables", "figures", "provenance", "mismatch"],
-    ["control_report", "cross"],
+    ["control_report", "cross", "training_report"],
     ["reference", "reanalyze"],
 ]
 #: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when

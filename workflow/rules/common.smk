@@ -78,7 +78,7 @@ def dataset_name():
     return ds["source"] if ds["source"] != "file" else f"file-{Path(ds['path']).stem}"
 
 
-def model_key(name):
+def base_model_key(name):
     """Configurations that share model and dtype share one prepared model directory. A local directory's key
     carries a short hash of its resolved path beside the readable name, so no two directories ever share one
     (``/m/x/y`` and ``/m/x_y`` read alike once slugged)."""
@@ -90,7 +90,40 @@ def model_key(name):
     return f"{slug}-{stable_hash(str(source.resolve()))[:8]}-{settings['dtype']}"
 
 
-MODEL_KEYS = {model_key(c): config["configs"][c] for c in CONFIGS}
+def train_recipe(name):
+    """Everything besides the base model that decides a trained model's weights: the train block, the prompt
+    and stop texts it is asked and graded with, the device it runs on, and the evaluation's sample where that is
+    left out of the train set. Its hash names the trained model, so configurations with one recipe share it."""
+    settings = config["configs"][name]
+    same_source = settings["train"]["dataset"] == config["dataset"]["source"]
+    return {
+        "train": settings["train"],
+        "prompt": config["prompt"],
+        "stop": settings.get("stop", []),
+        "device": settings["device"],
+        "excluded": {**config["dataset"], "seed": config["seed"]} if same_source else None,
+    }
+
+
+def model_key(name):
+    """The model a configuration measures: its base model as prepared, or that model after its train block."""
+    if config["configs"][name].get("train") is None:
+        return base_model_key(name)
+    return f"{base_model_key(name)}-grpo-{stable_hash(train_recipe(name))[:8]}"
+
+
+#: Prepared base models (prepare_model), and the trained ones made from them (train_grpo).
+MODEL_KEYS = {base_model_key(c): config["configs"][c] for c in CONFIGS}
+TRAINED = {
+    model_key(c): {"base": base_model_key(c), "recipe": train_recipe(c), "settings": config["configs"][c]}
+    for c in CONFIGS
+    if config["configs"][c].get("train") is not None
+}
+
+
+def one_of(keys):
+    """A wildcard constraint that takes exactly these values (none: a pattern nothing matches)."""
+    return "|".join(re.escape(k) for k in sorted(keys)) or "(?!)"
 
 
 def dataset_files(wildcards=None):
@@ -135,6 +168,15 @@ def sampling_outputs(dataset):
 
 def model_path(key):
     return f"results/models/{key}"
+
+
+def training_log_file(key):
+    return f"results/training/{key}/log.csv"
+
+
+def excluded_problems(wildcards):
+    """The evaluation's problems file, where the train set is the evaluation's dataset and leaves them out."""
+    return [problems_file()] if TRAINED[wildcards.model_key]["recipe"]["excluded"] is not None else []
 
 
 def model_dir(wildcards):
@@ -287,7 +329,11 @@ def figure_outputs(name):
 def manifest_inputs(wildcards=None):
     """Every output of the DAG, so the manifest covers exactly this configuration's results."""
     files = list(sampling_outputs(dataset_name()).values())
-    files += sorted({model_path(model_key(c)) for c in CONFIGS})
+    files += sorted({model_path(key) for key in [*MODEL_KEYS, *TRAINED]})
+    files += [training_log_file(key) for key in sorted(TRAINED)]
+    if TRAINED:
+        files += [figure_file("training", ext) for ext in ("png", "pdf")]
+        files += [table_file("policy", ext) for ext in ("csv", "md")]
     for c in CONFIGS:
         files += [rollout_shard_file(c, s) for s in SHARDS] + [kv_dir(c, s) for s in SHARDS]
         files += [rollouts_file(c), kv_index_file(c), pivots_file(c)]
@@ -321,6 +367,15 @@ def timed_jobs():
             "threads": heavy("prepare_model", "threads"),
         }
         for key in sorted(MODEL_KEYS)
+    ]
+    jobs += [
+        {
+            "rule": "train_grpo",
+            "benchmark": benchmark_file("train_grpo", key),
+            "gpus": job_gpus(trained["settings"]),
+            "threads": heavy("train_grpo", "threads"),
+        }
+        for key, trained in sorted(TRAINED.items())
     ]
     for c in CONFIGS:
         held = gpus_of(c)

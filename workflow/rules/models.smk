@@ -7,6 +7,8 @@ rule prepare_model:
         f"{LOGS}/prepare_model/{{model_key}}.log",
     benchmark:
         benchmark_file("prepare_model", "{model_key}")
+    wildcard_constraints:
+        model_key=one_of(MODEL_KEYS),
     conda:
         "../../envs/torch.yaml"
     threads: heavy("prepare_model", "threads")

@@ -1,0 +1,136 @@
+"""GRPO training of a prepared model, so that a configuration can measure "this base model after RL".
+
+TRL's GRPOTrainer runs the loop; this module gives it what makes the result this tool's: the prompts are the
+run's own prompt block (``replaynoise.prompts``) over a packaged train set, the reward is the tool's own grader,
+and the trained model is written as a prepared model directory, atomically, with a record of what made it.
+Checkpoints go to a scratch folder keyed by everything that decides the weights, so a killed step resumes from
+its last checkpoint and a changed setting starts afresh.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Sequence
+from importlib.metadata import version as package_version
+from pathlib import Path
+
+import polars as pl
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+from transformers.trainer_utils import get_last_checkpoint
+from trl import GRPOConfig, GRPOTrainer
+
+from replaynoise.datasets import read_problems
+from replaynoise.grading import extract_answer, is_correct
+from replaynoise.io import keyed_scratch, read_json, sha256_file
+from replaynoise.models import check_tokenizer, load_tokenizer, model_weights_dir, publish_model_dir
+from replaynoise.prompts import chat_turns, check_chat_template, check_style, plain_text
+from replaynoise.training_log import training_log, write_training_log
+
+#: Steps between the checkpoints an interrupted training resumes from (each holds the optimizer state too).
+CHECKPOINT_EVERY = 10
+
+
+def training_problems(dataset: str, cache_dir: Path, exclude: Sequence[str] = ()) -> pl.DataFrame:
+    """The problems a model is trained on: a packaged set, without the questions ``exclude`` (the evaluation's
+    sampled problems, where they come from the same set: a model must not be scored on what it was trained on)."""
+    problems = read_problems(dataset, None, Path(cache_dir)).frame
+    kept = problems.filter(~pl.col("question").is_in(list(exclude)))
+    if kept.height == 0:
+        raise ValueError(f"train.dataset {dataset!r}: no problem is left once the evaluation's are taken out")
+    return kept
+
+
+def training_prompts(problems: pl.DataFrame, tokenizer, prompt: dict) -> Dataset:
+    """TRL's prompt column, as the rollouts ask: a conversation for ``chat`` (TRL applies the chat template just
+    as ``rollouts.prompt_ids`` does), the plain text otherwise; the gold answer rides along for the reward."""
+    style, instruction, shots = prompt["style"], prompt["instruction"], prompt.get("shots", [])
+    check_style(style)
+    if style == "chat":
+        check_chat_template(tokenizer)
+        prompts = [chat_turns(q, instruction, shots) for q in problems["question"]]
+    else:
+        prompts = [plain_text(q, instruction, shots) for q in problems["question"]]
+    return Dataset.from_dict({"prompt": prompts, "gold": problems["gold"].to_list(),
+                              "problem_id": problems["problem_id"].to_list()})
+
+
+def completion_text(completion, stops: Sequence[str] = ()) -> str:
+    """A completion's text as the rollouts grade it: the assistant turn's content, cut at the first stop text."""
+    text = completion[-1]["content"] if isinstance(completion, list) else completion
+    for stop in stops:
+        text = text.split(stop, 1)[0]
+    return text
+
+
+def correctness_reward(stops: Sequence[str] = ()):
+    """The reward: 1 for a completion whose final answer the grader accepts, else 0."""
+    def correct(completions, gold, **_) -> list[float]:
+        return [float(is_correct(extract_answer(completion_text(c, stops)), g)) for c, g in zip(completions, gold)]
+
+    return correct
+
+
+def grpo_config(train: dict, work_dir: Path, device: str, threads: int) -> GRPOConfig:
+    """TRL's settings from the train block; what the block does not name keeps TRL's default."""
+    completions = train["prompts_per_step"] * train["generations"]
+    return GRPOConfig(
+        output_dir=str(work_dir), max_steps=train["steps"], per_device_train_batch_size=train["micro_batch"],
+        gradient_accumulation_steps=completions // train["micro_batch"], num_generations=train["generations"],
+        max_completion_length=train["max_completion_length"], beta=train["kl_coef"],
+        learning_rate=train["learning_rate"], temperature=train["temperature"], top_p=1.0,
+        seed=train["seed"], data_seed=train["seed"], logging_steps=1, report_to="none", save_strategy="steps",
+        save_steps=CHECKPOINT_EVERY, save_total_limit=1, use_cpu=device == "cpu", bf16=device != "cpu",
+        dataloader_num_workers=0, disable_tqdm=False,
+        # the models this trains fit with their activations kept; recomputing them costs a third of a step
+        gradient_checkpointing=False)
+
+
+def train_grpo(base_dir: Path, out_dir: Path, work_dir: Path, *, train: dict, prompt: dict, stops: Sequence[str],
+               dtype: str, device: str, threads: int, cache_dir: Path, exclude: Sequence[str], log_csv: Path,
+               scratch_key: str) -> dict:
+    """Train the prepared model at ``base_dir``; write the trained one to ``out_dir`` (atomically) and the
+    per-step log to ``log_csv``. Returns the record written to its ``replaynoise-model.json``."""
+    torch.set_num_threads(threads)
+    weights = model_weights_dir(Path(base_dir))
+    tokenizer = load_tokenizer(weights)
+    if tokenizer.pad_token is None:  # TRL pads the prompts of a batch
+        tokenizer.pad_token = tokenizer.eos_token
+    problems = training_problems(train["dataset"], cache_dir, exclude)
+    work = keyed_scratch(work_dir, scratch_key)
+    # fp32 master weights: the optimizer's small steps vanish in bf16 (bf16 autocast on a GPU computes in it)
+    model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32, local_files_only=True,
+                                                 trust_remote_code=False, use_safetensors=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=[correctness_reward(stops)],
+                          args=grpo_config(train, work, device, threads),
+                          train_dataset=training_prompts(problems, tokenizer, prompt), processing_class=tokenizer)
+    resume = get_last_checkpoint(str(work))
+    if resume:
+        print(f"resuming training from {resume}", flush=True)
+    trainer.train(resume_from_checkpoint=resume)
+    log = training_log(trainer.state.log_history)
+    write_training_log(log, log_csv)
+    base = read_json(Path(base_dir) / "replaynoise-model.json")
+    origin = {"kind": "trained", "method": train["method"], "base": base, "train": train, "prompt": prompt,
+              "train_problems": problems.height, "excluded_questions": len(exclude),
+              "versions": {p: package_version(p) for p in ("trl", "transformers", "torch")}}
+    return save_model(trainer.model, tokenizer, dtype, Path(out_dir), origin)
+
+
+def save_model(model, tokenizer, dtype: str, out_dir: Path, origin: dict) -> dict:
+    """Write a prepared model directory in ``dtype`` (the configuration's), atomically."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        check_tokenizer(load_tokenizer(tmp), str(out_dir))
+        origin = {**origin, "weights_sha256": {p.name: sha256_file(p) for p in sorted(tmp.glob("*.safetensors"))}}
+        info = {"spec": f"grpo:{origin['base']['spec']}", "dtype": dtype, "origin": origin}
+        publish_model_dir(tmp, out_dir, info)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return info
+
