@@ -25,7 +25,7 @@ from trl import GRPOConfig, GRPOTrainer
 from replaynoise.datasets import read_problems
 from replaynoise.grading import extract_answer, is_correct
 from replaynoise.io import keyed_scratch, read_json, sha256_file
-from replaynoise.models import check_tokenizer, load_tokenizer, model_weights_dir, publish_model_dir
+from replaynoise.models import check_tokenizer, eos_ids, load_tokenizer, model_weights_dir, publish_model_dir
 from replaynoise.prompts import chat_turns, check_chat_template, check_style, plain_text
 from replaynoise.training_log import training_log, write_training_log
 
@@ -73,7 +73,7 @@ def correctness_reward(stops: Sequence[str] = ()):
     return correct
 
 
-def grpo_config(train: dict, work_dir: Path, device: str, threads: int) -> GRPOConfig:
+def grpo_config(train: dict, work_dir: Path, device: str, threads: int, eos: Sequence[int]) -> GRPOConfig:
     """TRL's settings from the train block; what the block does not name keeps TRL's default."""
     completions = train["prompts_per_step"] * train["generations"]
     return GRPOConfig(
@@ -85,7 +85,11 @@ def grpo_config(train: dict, work_dir: Path, device: str, threads: int) -> GRPOC
         save_steps=CHECKPOINT_EVERY, save_total_limit=1, use_cpu=device == "cpu", bf16=device != "cpu",
         dataloader_num_workers=0, disable_tqdm=False,
         # the models this trains fit with their activations kept; recomputing them costs a third of a step
-        gradient_checkpointing=False)
+        gradient_checkpointing=False,
+        # fp32 master weights; TF32 matmuls outside the bf16 autocast (generation) cut a step's time
+        tf32=device != "cpu",
+        # a completion ends where a rollout would: at any of the engines' end tokens, not the tokenizer's alone
+        generation_kwargs={"eos_token_id": list(eos)})
 
 
 def train_grpo(base_dir: Path, out_dir: Path, work_dir: Path, *, train: dict, prompt: dict, stops: Sequence[str],
@@ -104,7 +108,7 @@ def train_grpo(base_dir: Path, out_dir: Path, work_dir: Path, *, train: dict, pr
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32, local_files_only=True,
                                                  trust_remote_code=False, use_safetensors=True)
     trainer = GRPOTrainer(model=model, reward_funcs=[correctness_reward(stops)],
-                          args=grpo_config(train, work, device, threads),
+                          args=grpo_config(train, work, device, threads, sorted(eos_ids(weights, tokenizer))),
                           train_dataset=training_prompts(problems, tokenizer, prompt), processing_class=tokenizer)
     resume = get_last_checkpoint(str(work))
     if resume:
@@ -116,15 +120,20 @@ def train_grpo(base_dir: Path, out_dir: Path, work_dir: Path, *, train: dict, pr
     origin = {"kind": "trained", "method": train["method"], "base": base, "train": train, "prompt": prompt,
               "train_problems": problems.height, "excluded_questions": len(exclude),
               "versions": {p: package_version(p) for p in ("trl", "transformers", "torch")}}
-    return save_model(trainer.model, tokenizer, dtype, Path(out_dir), origin)
+    return save_model(trainer.model, tokenizer, dtype, Path(out_dir), origin, weights)
 
 
-def save_model(model, tokenizer, dtype: str, out_dir: Path, origin: dict) -> dict:
-    """Write a prepared model directory in ``dtype`` (the configuration's), atomically."""
+def save_model(model, tokenizer, dtype: str, out_dir: Path, origin: dict, base: Path) -> dict:
+    """Write a prepared model directory in ``dtype`` (the configuration's), atomically. Its config and generation
+    config are the base model's: TRL aligns the model's end token with the tokenizer's, and a trained model that
+    stopped elsewhere than its base would differ at evaluation in more than its weights."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        for name in ("config.json", "generation_config.json"):
+            if (base / name).is_file():
+                shutil.copyfile(base / name, tmp / name)
         check_tokenizer(load_tokenizer(tmp), str(out_dir))
         origin = {**origin, "weights_sha256": {p.name: sha256_file(p) for p in sorted(tmp.glob("*.safetensors"))}}
         info = {"spec": f"grpo:{origin['base']['spec']}", "dtype": dtype, "origin": origin}
