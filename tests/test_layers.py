@@ -3,6 +3,7 @@ function (where a cycle hides), and a step's code version is the import closure 
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,27 @@ def test_a_step_s_code_version_follows_its_script_s_imports(tmp_path):
     assert source_digest(script, tmp_path) == before  # not imported: no rerun
     (tmp_path / "replaynoise" / "low.py").write_text("X = 2\n")
     assert source_digest(script, tmp_path) != before  # imported through high: rerun
+
+
+def _dataclass_fields() -> dict[str, tuple[str, ...]]:
+    """{module.Class: its own annotated fields} of every dataclass in the package."""
+    found = {}
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            decorated = isinstance(node, ast.ClassDef) and any(
+                "dataclass" in ast.unparse(d) for d in node.decorator_list)
+            if decorated:
+                fields = tuple(s.target.id for s in node.body
+                               if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name))
+                found[f"{module}.{node.name}"] = fields
+    return found
+
+
+def test_no_record_type_is_defined_twice():
+    """A dataclass whose fields open with all of another's (three or more) repeats that type instead of
+    deriving from it: a pinned wheel member was once written out in models.py and again in datasets.py."""
+    fields = _dataclass_fields()
+    repeated = [(a, b) for a, fa in fields.items() for b, fb in fields.items()
+                if a != b and len(fa) >= 3 and fb[:len(fa)] == fa]
+    assert not repeated
+    assert "packages.PinnedMember" in fields
