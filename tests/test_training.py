@@ -9,12 +9,16 @@ import polars as pl
 import pytest
 from conftest import planned_rules, snakemake, with_setting
 from tinymodel import save_tiny_chat_model
+from transformers import TrainerCallback
 
+from replaynoise import training
 from replaynoise.config import ConfigError, validate_config
 from replaynoise.io import read_json, read_parquet, sha256_file
+from replaynoise.models import prepare_model
 from replaynoise.training import train_grpo
 
-pytestmark = pytest.mark.slow  # a workflow run of the whole DAG (about 2 min on 2 cores)
+#: the tests that run the workflow (about 2 min on 2 cores for the first, which makes the run the others read)
+workflow_run = pytest.mark.slow
 
 #: Three steps of four prompts, eight two-token answers each: the tiny model's digits are right often enough by
 #: chance that a step's group rewards differ, so the weights move.
@@ -22,12 +26,17 @@ TRAIN = {"dataset": "simple_addsub", "steps": 3, "prompts_per_step": 4, "generat
          "learning_rate": 0.01, "max_completion_length": 2}
 
 
+#: the schema's defaults of the keys TRAIN leaves out, and the prompt of the runs below
+TRAIN_DEFAULTS = {"method": "grpo", "kl_coef": 0.04, "temperature": 1.0, "seed": 0}
+PROMPT = {"style": "chat", "instruction": "Answer."}
+
+
 def run_config(model: Path) -> dict:
     settings = {"model": str(model), "dtype": "float32", "max_new_tokens": 4}
     return {
         "seed": 5,
         "dataset": {"source": "simple_addsub", "n_problems": 3},
-        "prompt": {"style": "chat", "instruction": "Answer."},
+        "prompt": PROMPT,
         "configs": {"base": settings, "trained": {**settings, "train": TRAIN}},
         "pivots": {"max_margin": 1.0, "per_rollout": 1},
         "replay": {"k": 2, "max_new_tokens": 3, "passes": ["exact", "replica", "refeed"]},
@@ -52,6 +61,7 @@ def model_dirs(workdir: Path) -> dict[str, Path]:
     return {read_json(p / "replaynoise-model.json")["origin"]["kind"].replace("local", "base"): p for p in dirs}
 
 
+@workflow_run
 def test_the_default_target_trains_then_measures_the_trained_model(trained_run):
     workdir, _, planned = trained_run
     assert {"prepare_model", "train_grpo", "generate_rollouts", "figure_training", "policy_table"} <= planned
@@ -80,6 +90,7 @@ def test_the_default_target_trains_then_measures_the_trained_model(trained_run):
     assert f"models/{models['trained'].name}/model.safetensors" in manifest and "training.png" in manifest
 
 
+@workflow_run
 def test_a_rerun_does_nothing_and_an_unrelated_change_does_not_retrain(trained_run):
     workdir, config, _ = trained_run
     assert planned_rules(workdir, config) == set()
@@ -87,6 +98,7 @@ def test_a_rerun_does_nothing_and_an_unrelated_change_does_not_retrain(trained_r
     assert changed and not changed & {"prepare_model", "train_grpo", "generate_rollouts"}
 
 
+@workflow_run
 def test_a_changed_train_setting_retrains_and_remeasures_only_the_trained_model(trained_run):
     workdir, config, _ = trained_run
     changed = with_setting(config, "configs.trained.train.learning_rate", 0.02)
@@ -98,6 +110,7 @@ def test_a_changed_train_setting_retrains_and_remeasures_only_the_trained_model(
     assert remade == {"generate_rollouts:config=trained, shard=000"}, plan[-3000:]
 
 
+@workflow_run
 def test_the_same_seed_and_settings_give_the_same_weights(trained_run, tmp_path):
     """The library call with the rule's settings reproduces the workflow's model bit for bit on this CPU."""
     workdir, config, _ = trained_run
@@ -115,3 +128,42 @@ def test_a_micro_batch_that_does_not_divide_the_step_is_refused_by_value():
     config = {"configs": {"a": {"model": "smollm2-135m", "train": {**TRAIN, "micro_batch": 5}}}}
     with pytest.raises(ConfigError, match=r"train\.micro_batch: 5 does not divide the 32 completions"):
         validate_config(config)
+
+
+class KilledAfterCheckpoint(Exception):
+    pass
+
+
+def test_a_killed_training_resumes_from_its_checkpoint_to_the_same_weights(tmp_path, monkeypatch, capsys):
+    """A training killed after a checkpoint loses only the steps after it, and the resumed run ends where an
+    uninterrupted one does, on this CPU."""
+    base = tmp_path / "base"
+    prepare_model(str(save_tiny_chat_model(tmp_path / "tiny")), "float32", base, tmp_path)
+    monkeypatch.setattr(training, "CHECKPOINT_EVERY", 2)
+
+    def train(out: str, work: str):
+        return train_grpo(base, tmp_path / out, tmp_path / work, train={**TRAIN_DEFAULTS, **TRAIN}, prompt=PROMPT,
+                          stops=[], dtype="float32", device="cpu", threads=2, cache_dir=tmp_path, exclude=[],
+                          log_csv=tmp_path / f"{out}.csv", scratch_key="k")
+
+    whole = train("whole", "work-whole")
+
+    class Killed(TrainerCallback):
+        def on_save(self, args, state, control, **_):
+            raise KilledAfterCheckpoint(state.global_step)
+
+    class KilledTrainer(training.GRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, callbacks=[Killed()], **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(training, "GRPOTrainer", KilledTrainer)
+        with pytest.raises(KilledAfterCheckpoint):
+            train("resumed", "work")
+    assert [p.name for p in (tmp_path / "work").glob("checkpoint-*")] == ["checkpoint-2"]
+    assert not (tmp_path / "resumed").exists()  # nothing half-written where the model goes
+    capsys.readouterr()
+    resumed = train("resumed", "work")
+    assert f"resuming training from {tmp_path / 'work' / 'checkpoint-2'}" in capsys.readouterr().out
+    assert pl.read_csv(tmp_path / "resumed.csv")["step"].to_list() == [1, 2, 3]
+    assert resumed["origin"]["weights_sha256"] == whole["origin"]["weights_sha256"]
