@@ -25,9 +25,10 @@ if origin["excluded_questions"]:
     excluded = read_parquet(next((results / "problems").glob("*.parquet")))["question"].to_list()
 tmp = Path(tempfile.mkdtemp())
 start = time.time()
-info = train_grpo(base, tmp / "again", tmp / "work", train=origin["train"], prompt=origin["prompt"], stops=[],
-                  dtype=record["dtype"], device="cuda", threads=4, cache_dir=run / "resources" / "packages",
-                  exclude=excluded, log_csv=tmp / "log.csv", scratch_key="again")
+info = train_grpo(base, tmp / "again", tmp / "work", train=origin["train"], prompt=origin["prompt"],
+                  stops=origin.get("stop", []), dtype=record["dtype"], device=origin.get("device", "cuda"),
+                  threads=4, cache_dir=run / "resources" / "packages", exclude=excluded, log_csv=tmp / "log.csv",
+                  scratch_key="again")
 seconds = time.time() - start
 diffs = {}
 for name in origin["weights_sha256"]:

@@ -286,6 +286,10 @@ def _check_training(name: str, settings: dict) -> None:
     train = settings.get("train")
     if train is None:
         return
+    if settings["device"] not in ("cpu", "cuda", "cuda:0"):
+        raise ConfigError(f"config key configs.{name}.device: {settings['device']!r} with a train block - training "
+                          "runs on the first visible GPU; set device: cuda and choose the GPU with "
+                          "CUDA_VISIBLE_DEVICES")
     completions = train["prompts_per_step"] * train["generations"]
     if completions % train["micro_batch"]:
         raise ConfigError(f"config key configs.{name}.train.micro_batch: {train['micro_batch']} does not divide the "

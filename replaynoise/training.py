@@ -10,6 +10,7 @@ its last checkpoint and a changed setting starts afresh.
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from importlib.metadata import version as package_version
@@ -19,13 +20,19 @@ import polars as pl
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
-from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 
 from replaynoise.datasets import read_problems
 from replaynoise.grading import extract_answer, is_correct
 from replaynoise.io import keyed_scratch, read_json, sha256_file
-from replaynoise.models import check_tokenizer, eos_ids, load_tokenizer, model_weights_dir, publish_model_dir
+from replaynoise.models import (
+    check_tokenizer,
+    eos_ids,
+    load_tokenizer,
+    model_weights_dir,
+    publish_model_dir,
+    stop_token_ids,
+)
 from replaynoise.prompts import chat_turns, check_chat_template, check_style, plain_text
 from replaynoise.training_log import training_log, write_training_log
 
@@ -73,7 +80,7 @@ def correctness_reward(stops: Sequence[str] = ()):
     return correct
 
 
-def grpo_config(train: dict, work_dir: Path, device: str, threads: int, eos: Sequence[int]) -> GRPOConfig:
+def grpo_config(train: dict, work_dir: Path, device: str, threads: int, ends: Sequence[int]) -> GRPOConfig:
     """TRL's settings from the train block; what the block does not name keeps TRL's default."""
     completions = train["prompts_per_step"] * train["generations"]
     return GRPOConfig(
@@ -88,8 +95,12 @@ def grpo_config(train: dict, work_dir: Path, device: str, threads: int, eos: Seq
         gradient_checkpointing=False,
         # fp32 master weights; TF32 matmuls outside the bf16 autocast (generation) cut a step's time
         tf32=device != "cpu",
-        # a completion ends where a rollout would: at any of the engines' end tokens, not the tokenizer's alone
-        generation_kwargs={"eos_token_id": list(eos)})
+        # a completion ends where a rollout would: at the engines' end tokens and the configuration's stop tokens
+        generation_kwargs={"eos_token_id": list(ends)},
+        # the reference model (kl_coef > 0) loads as every model here does: offline, safetensors only, on the
+        # run's device (TRL's default spreads it over every visible GPU)
+        model_init_kwargs={"local_files_only": True, "use_safetensors": True,
+                           "device_map": None if device == "cpu" else device})
 
 
 def train_grpo(base_dir: Path, out_dir: Path, work_dir: Path, *, train: dict, prompt: dict, stops: Sequence[str],
@@ -107,20 +118,32 @@ def train_grpo(base_dir: Path, out_dir: Path, work_dir: Path, *, train: dict, pr
     # fp32 master weights: the optimizer's small steps vanish in bf16 (bf16 autocast on a GPU computes in it)
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32, local_files_only=True,
                                                  trust_remote_code=False, use_safetensors=True)
+    ends = sorted(eos_ids(weights, tokenizer) | stop_token_ids(tokenizer, stops))
     trainer = GRPOTrainer(model=model, reward_funcs=[correctness_reward(stops)],
-                          args=grpo_config(train, work, device, threads, sorted(eos_ids(weights, tokenizer))),
+                          args=grpo_config(train, work, device, threads, ends),
                           train_dataset=training_prompts(problems, tokenizer, prompt), processing_class=tokenizer)
-    resume = get_last_checkpoint(str(work))
+    # the completion mask ends at the first of these, so nothing after a stop text is trained on
+    trainer.eos_token_ids = sorted(set(trainer.eos_token_ids) | set(ends))
+    resume = last_checkpoint(work)
     if resume:
-        print(f"resuming training from {resume}", flush=True)
-    trainer.train(resume_from_checkpoint=resume)
+        print(f"resuming training from {resume}", file=sys.stderr, flush=True)
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     log = training_log(trainer.state.log_history)
     write_training_log(log, log_csv)
     base = read_json(Path(base_dir) / "replaynoise-model.json")
     origin = {"kind": "trained", "method": train["method"], "base": base, "train": train, "prompt": prompt,
-              "train_problems": problems.height, "excluded_questions": len(exclude),
+              "stop": list(stops), "device": device, "train_problems": problems.height,
+              "excluded_questions": len(exclude),
               "versions": {p: package_version(p) for p in ("trl", "transformers", "torch")}}
     return save_model(trainer.model, tokenizer, dtype, Path(out_dir), origin, weights)
+
+
+def last_checkpoint(work: Path) -> Path | None:
+    """The newest checkpoint a killed training left whole: transformers writes its ``trainer_state.json`` last, so
+    one killed while saving lacks it and is skipped (resuming from it would fail at every rerun)."""
+    whole = [p for p in work.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()
+             and (p / "trainer_state.json").is_file()]
+    return max(whole, key=lambda p: int(p.name.split("-")[-1]), default=None)
 
 
 def save_model(model, tokenizer, dtype: str, out_dir: Path, origin: dict, base: Path) -> dict:

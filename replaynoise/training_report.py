@@ -15,7 +15,7 @@ from replaynoise.stats import cluster_ols_mean
 from replaynoise.training_log import read_training_log
 
 #: Panels of the training figure: log column, axis label.
-PANELS = (("reward", "train reward (fraction correct)"), ("entropy", "token entropy (nats, T=1)"),
+PANELS = (("reward", "train reward (fraction correct)"), ("entropy", "token entropy (nats, at train.temperature)"),
           ("kl", "KL to the base model"), ("completion_length", "completion tokens (mean)"))
 
 
@@ -62,7 +62,9 @@ def policy_row(config: str, model: str, rollouts: pl.DataFrame, ci: float) -> di
     accuracy = cluster_ols_mean(rollouts["correct"].cast(pl.Float64).to_numpy(), groups, ci)
     per_rollout = [float(entropy_lower_bound(np.asarray(lps, dtype=np.float64)).mean()) if len(lps) else np.nan
                    for lps in rollouts["topk_logprobs"].to_list()]
-    entropy = cluster_ols_mean(np.asarray(per_rollout), groups, ci)
+    per_rollout = np.asarray(per_rollout)
+    responded = np.isfinite(per_rollout)  # an empty response has no position to average over
+    entropy = cluster_ols_mean(per_rollout[responded], groups[responded], ci)
     lengths = rollouts["response_ids"].list.len()
     return {"config": config, "model": model, "problems": rollouts["problem_id"].n_unique(),
             "rollouts": rollouts.height, "accuracy": accuracy["coef"], "accuracy_lo": accuracy["ci_lo"],

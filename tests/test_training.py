@@ -130,6 +130,12 @@ def test_a_micro_batch_that_does_not_divide_the_step_is_refused_by_value():
         validate_config(config)
 
 
+def test_training_on_a_gpu_other_than_the_first_is_refused_by_key():
+    config = {"configs": {"a": {"model": "smollm2-135m", "device": "cuda:1", "train": TRAIN}}}
+    with pytest.raises(ConfigError, match=r"configs\.a\.device: 'cuda:1' with a train block"):
+        validate_config(config)
+
+
 class KilledAfterCheckpoint(Exception):
     pass
 
@@ -164,6 +170,16 @@ def test_a_killed_training_resumes_from_its_checkpoint_to_the_same_weights(tmp_p
     assert not (tmp_path / "resumed").exists()  # nothing half-written where the model goes
     capsys.readouterr()
     resumed = train("resumed", "work")
-    assert f"resuming training from {tmp_path / 'work' / 'checkpoint-2'}" in capsys.readouterr().out
+    assert f"resuming training from {tmp_path / 'work' / 'checkpoint-2'}" in capsys.readouterr().err
     assert pl.read_csv(tmp_path / "resumed.csv")["step"].to_list() == [1, 2, 3]
     assert resumed["origin"]["weights_sha256"] == whole["origin"]["weights_sha256"]
+
+
+def test_a_checkpoint_killed_while_saving_is_not_resumed(tmp_path):
+    """transformers writes a checkpoint's trainer_state.json last: one without it was cut short."""
+    for step, whole in ((10, True), (20, False), (5, True)):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if whole:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert training.last_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+    assert training.last_checkpoint(tmp_path / "none") is None
