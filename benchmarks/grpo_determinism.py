@@ -12,6 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from replaynoise.datasets import training_set
 from replaynoise.io import read_json, read_parquet
 from replaynoise.training import train_grpo
 
@@ -20,15 +21,19 @@ results = run / "results"
 record = read_json(results / "models" / key / "replaynoise-model.json")
 origin = record["origin"]
 base = results / "models" / f"{origin['base']['spec']}-{origin['base']['dtype']}"
-excluded = []
-if origin["excluded_questions"]:
-    excluded = read_parquet(next((results / "problems").glob("*.parquet")))["question"].to_list()
+problems_file = results / "training" / key / "problems.parquet"
+if problems_file.is_file():
+    problems = read_parquet(problems_file)
+else:  # a run made before the training problems were a step's output: chosen again as that run chose them
+    excluded = []
+    if origin["train"]["dataset"] == read_json(results / "provenance.json")["config"]["dataset"]["source"]:
+        excluded = read_parquet(next((results / "problems").glob("*.parquet")))["question"].to_list()
+    problems = training_set(origin["train"]["dataset"], run / "resources" / "packages", excluded)
 tmp = Path(tempfile.mkdtemp())
 start = time.time()
 info = train_grpo(base, tmp / "again", tmp / "work", train=origin["train"], prompt=origin["prompt"],
                   stops=origin.get("stop", []), dtype=record["dtype"], device=origin.get("device", "cuda"),
-                  threads=4, cache_dir=run / "resources" / "packages", exclude=excluded, log_csv=tmp / "log.csv",
-                  scratch_key="again")
+                  threads=4, problems=problems, log_csv=tmp / "log.csv", scratch_key="again")
 seconds = time.time() - start
 diffs = {}
 for name in origin["weights_sha256"]:

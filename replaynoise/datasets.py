@@ -303,6 +303,16 @@ def read_problems(source: str, path: str | None, cache_dir: Path) -> LoadedProbl
                           {p["problem_id"]: where for (where, _), p in zip(records, problems)}, digest)
 
 
+def training_set(source: str, cache_dir: Path, exclude: list[str]) -> pl.DataFrame:
+    """The problems a model is trained on: a packaged set without the questions ``exclude`` (the evaluation's
+    sampled problems, where they come from the same set: a model must not be scored on what it was trained on)."""
+    problems = read_problems(source, None, Path(cache_dir)).frame
+    kept = problems.filter(~pl.col("question").is_in(exclude))
+    if kept.height == 0:
+        raise ValueError(f"train.dataset {source!r}: no problem is left once the evaluation's are taken out")
+    return kept
+
+
 def check_n_problems(dataset: dict, cache_dir: Path) -> None:
     """Refuse a ``dataset.n_problems`` the dataset cannot supply while the workflow parses its config: the
     sample_problems job would find out only after Snakemake had deleted its previous, good output. Nothing is

@@ -22,7 +22,6 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from replaynoise.datasets import read_problems
 from replaynoise.grading import extract_answer, is_correct
 from replaynoise.io import keyed_scratch, read_json, sha256_file
 from replaynoise.models import (
@@ -38,16 +37,6 @@ from replaynoise.training_log import training_log, write_training_log
 
 #: Steps between the checkpoints an interrupted training resumes from (each holds the optimizer state too).
 CHECKPOINT_EVERY = 10
-
-
-def training_problems(dataset: str, cache_dir: Path, exclude: Sequence[str] = ()) -> pl.DataFrame:
-    """The problems a model is trained on: a packaged set, without the questions ``exclude`` (the evaluation's
-    sampled problems, where they come from the same set: a model must not be scored on what it was trained on)."""
-    problems = read_problems(dataset, None, Path(cache_dir)).frame
-    kept = problems.filter(~pl.col("question").is_in(list(exclude)))
-    if kept.height == 0:
-        raise ValueError(f"train.dataset {dataset!r}: no problem is left once the evaluation's are taken out")
-    return kept
 
 
 def training_prompts(problems: pl.DataFrame, tokenizer, prompt: dict) -> Dataset:
@@ -104,16 +93,16 @@ def grpo_config(train: dict, work_dir: Path, device: str, threads: int, ends: Se
 
 
 def train_grpo(base_dir: Path, out_dir: Path, work_dir: Path, *, train: dict, prompt: dict, stops: Sequence[str],
-               dtype: str, device: str, threads: int, cache_dir: Path, exclude: Sequence[str], log_csv: Path,
+               dtype: str, device: str, threads: int, problems: pl.DataFrame, log_csv: Path,
                scratch_key: str) -> dict:
-    """Train the prepared model at ``base_dir``; write the trained one to ``out_dir`` (atomically) and the
-    per-step log to ``log_csv``. Returns the record written to its ``replaynoise-model.json``."""
+    """Train the prepared model at ``base_dir`` on ``problems`` (``datasets.training_set``); write the trained one
+    to ``out_dir`` (atomically) and the per-step log to ``log_csv``. Returns the record written to its
+    ``replaynoise-model.json``."""
     torch.set_num_threads(threads)
     weights = model_weights_dir(Path(base_dir))
     tokenizer = load_tokenizer(weights)
     if tokenizer.pad_token is None:  # TRL pads the prompts of a batch
         tokenizer.pad_token = tokenizer.eos_token
-    problems = training_problems(train["dataset"], cache_dir, exclude)
     work = keyed_scratch(work_dir, scratch_key)
     # fp32 master weights: the optimizer's small steps vanish in bf16 (bf16 autocast on a GPU computes in it)
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32, local_files_only=True,
@@ -133,7 +122,6 @@ def train_grpo(base_dir: Path, out_dir: Path, work_dir: Path, *, train: dict, pr
     base = read_json(Path(base_dir) / "replaynoise-model.json")
     origin = {"kind": "trained", "method": train["method"], "base": base, "train": train, "prompt": prompt,
               "stop": list(stops), "device": device, "train_problems": problems.height,
-              "excluded_questions": len(exclude),
               "versions": {p: package_version(p) for p in ("trl", "transformers", "torch")}}
     return save_model(trainer.model, tokenizer, dtype, Path(out_dir), origin, weights)
 

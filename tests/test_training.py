@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 
 from replaynoise import training
 from replaynoise.config import ConfigError, validate_config
+from replaynoise.datasets import training_set
 from replaynoise.io import read_json, read_parquet, sha256_file
 from replaynoise.models import prepare_model
 from replaynoise.training import train_grpo
@@ -64,7 +65,8 @@ def model_dirs(workdir: Path) -> dict[str, Path]:
 @workflow_run
 def test_the_default_target_trains_then_measures_the_trained_model(trained_run):
     workdir, _, planned = trained_run
-    assert {"prepare_model", "train_grpo", "generate_rollouts", "figure_training", "policy_table"} <= planned
+    assert {"prepare_model", "training_problems", "train_grpo", "generate_rollouts", "figure_training",
+            "policy_table"} <= planned
     models = model_dirs(workdir)
     assert set(models) == {"base", "trained"}
     assert models["trained"].name.startswith(models["base"].name + "-grpo-")
@@ -72,7 +74,10 @@ def test_the_default_target_trains_then_measures_the_trained_model(trained_run):
     assert info["origin"]["train"]["steps"] == 3 and info["origin"]["train"]["seed"] == 0  # the documented default
     assert info["origin"]["base"]["origin"]["kind"] == "local"
     # the evaluation's three problems come from the train set's dataset, so they are left out of it
-    assert info["origin"]["excluded_questions"] == 3 and info["origin"]["train_problems"] == 500 - 3
+    assert info["origin"]["train_problems"] == 500 - 3
+    problems = read_parquet(workdir / "results" / "problems" / "simple_addsub.parquet")["question"].to_list()
+    trained_on = read_parquet(workdir / "results" / "training" / models["trained"].name / "problems.parquet")
+    assert trained_on.height == 497 and not trained_on["question"].is_in(problems).any()
     weights = models["trained"] / "model.safetensors"
     assert info["origin"]["weights_sha256"] == {"model.safetensors": sha256_file(weights)}
     assert sha256_file(weights) != sha256_file(Path(info["origin"]["base"]["origin"]["path"]) / "model.safetensors")
@@ -116,11 +121,11 @@ def test_the_same_seed_and_settings_give_the_same_weights(trained_run, tmp_path)
     workdir, config, _ = trained_run
     trained = model_dirs(workdir)["trained"]
     origin = read_json(trained / "replaynoise-model.json")["origin"]
-    questions = read_parquet(workdir / "results" / "problems" / "simple_addsub.parquet")["question"].to_list()
+    problems = read_parquet(workdir / "results" / "training" / trained.name / "problems.parquet")
     again = tmp_path / "again"
     info = train_grpo(model_dirs(workdir)["base"], again, tmp_path / "work", train=origin["train"],
-                      prompt=origin["prompt"], stops=[], dtype="float32", device="cpu", threads=2,
-                      cache_dir=tmp_path, exclude=questions, log_csv=tmp_path / "log.csv", scratch_key="again")
+                      prompt=origin["prompt"], stops=origin["stop"], dtype="float32", device=origin["device"],
+                      threads=2, problems=problems, log_csv=tmp_path / "log.csv", scratch_key="again")
     assert info["origin"]["weights_sha256"] == origin["weights_sha256"]
 
 
@@ -149,8 +154,9 @@ def test_a_killed_training_resumes_from_its_checkpoint_to_the_same_weights(tmp_p
 
     def train(out: str, work: str):
         return train_grpo(base, tmp_path / out, tmp_path / work, train={**TRAIN_DEFAULTS, **TRAIN}, prompt=PROMPT,
-                          stops=[], dtype="float32", device="cpu", threads=2, cache_dir=tmp_path, exclude=[],
-                          log_csv=tmp_path / f"{out}.csv", scratch_key="k")
+                          stops=[], dtype="float32", device="cpu", threads=2,
+                          problems=training_set("simple_addsub", tmp_path, []), log_csv=tmp_path / f"{out}.csv",
+                          scratch_key="k")
 
     whole = train("whole", "work-whole")
 

@@ -174,6 +174,10 @@ def training_log_file(key):
     return f"results/training/{key}/log.csv"
 
 
+def training_problems_file(key):
+    return f"results/training/{key}/problems.parquet"
+
+
 def excluded_problems(wildcards):
     """The evaluation's problems file, where the train set is the evaluation's dataset and leaves them out."""
     return [problems_file()] if TRAINED[wildcards.model_key]["recipe"]["excluded"] is not None else []
@@ -330,7 +334,7 @@ def manifest_inputs(wildcards=None):
     """Every output of the DAG, so the manifest covers exactly this configuration's results."""
     files = list(sampling_outputs(dataset_name()).values())
     files += sorted({model_path(key) for key in [*MODEL_KEYS, *TRAINED]})
-    files += [training_log_file(key) for key in sorted(TRAINED)]
+    files += [f(key) for key in sorted(TRAINED) for f in (training_problems_file, training_log_file)]
     if TRAINED:
         files += [figure_file("training", ext) for ext in ("png", "pdf")]
         files += [table_file("policy", ext) for ext in ("csv", "md")]

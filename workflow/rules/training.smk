@@ -1,9 +1,30 @@
 # A configuration with a train block measures its base model after GRPO: the trained model is one more prepared
 # model, keyed by its base and its recipe (common.smk, model_key), and the figure and table say what training did.
+# Its problems are chosen by a local step (a cluster's nodes may have no network to fetch the packaged set).
+rule training_problems:
+    input:
+        excluded=excluded_problems,
+    output:
+        training_problems_file("{model_key}"),
+    log:
+        f"{LOGS}/training_problems/{{model_key}}.log",
+    wildcard_constraints:
+        model_key=one_of(TRAINED),
+    localrule: True
+    conda:
+        "../../envs/analysis.yaml"
+    params:
+        code=code_version("training_problems"),
+        dataset=lambda w: TRAINED[w.model_key]["recipe"]["train"]["dataset"],
+        cache=PACKAGE_DIR,
+    script:
+        "../scripts/training_problems.py"
+
+
 rule train_grpo:
     input:
         base=lambda w: model_path(TRAINED[w.model_key]["base"]),
-        excluded=excluded_problems,
+        problems=training_problems_file("{model_key}"),
     output:
         model=directory(model_path("{model_key}")),
         log=training_log_file("{model_key}"),
@@ -24,7 +45,6 @@ rule train_grpo:
         code=code_version("train_grpo"),
         recipe=lambda w: TRAINED[w.model_key]["recipe"],
         dtype=lambda w: TRAINED[w.model_key]["settings"]["dtype"],
-        cache=PACKAGE_DIR,
         work=lambda w: f"results/work/training/{w.model_key}",
     script:
         "../scripts/train_grpo.py"
