@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The reference/gpu campaign on a GPU machine (issue 14): each campaign file of config/campaigns/gpu/ runs in a
-# working directory of its own under $WORK (the lent H200: staged with ../shared/tools/gpu-stage, then
-# `source /root/stage/env.sh`), then what reference/gpu keeps is packed into one tarball per file:
+# working directory of its own under $WORK (a folder that outlives the session, with resources/ and its pinned
+# wheels in it; on a machine without network, copied there first), then what reference/gpu keeps is packed into
+# one tarball per file:
 #   bash benchmarks/h200-campaign.sh OUT_DIR TIMEOUT_S config/campaigns/gpu/smollm2.yaml [more.yaml ...]
 # TIMEOUT_S bounds the whole call; interrupted, a second call resumes every run where it stopped (Snakemake
 # keeps finished jobs, the passes keep finished batches).

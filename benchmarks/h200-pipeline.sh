@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The issue-20 measurement on a GPU machine: the workflow's own rules, real packaged weights, wall time from
 # prepared models (or from nothing) to results/MANIFEST.sha256, then per-rule generated tokens/s and where each
-# loop's time went. Run it from the project's root where `snakemake` and the packages are on the path (on the
-# lent H200: staged with ../shared/tools/gpu-stage and `source /root/stage/env.sh`, which sets $WORK):
+# loop's time went. Run it from the project's root where `snakemake` and the packages are on the path, with
+# $WORK a folder that outlives the session (on a machine without network, the wheels copied there first):
 #   bash benchmarks/h200-pipeline.sh benchmarks/configs/h200-pipeline.yaml [TIMEOUT_S] [OUT_JSON]
 # TARGETS (optional, in the environment): the files to make instead of the whole run, in Snakemake's syntax.
 # Interrupted by TIMEOUT_S, a second call resumes the run (Snakemake keeps finished jobs; passes keep batches).

@@ -3,8 +3,8 @@
 # rules on benchmarks/configs/scale-7b.yaml, the HF engine and stock vLLM at the paper's settings first, vLLM at
 # its own H200 defaults (exact pass) last, one job on the GPU at a time; then the per-rule report. Run it from the
 # project's root with snakemake and the packages on the path, and vLLM for its columns (without vLLM, the HF
-# engine's configuration alone). On the lent H200: staged with ../shared/tools/gpu-stage, then
-# `source /root/stage/env.sh`, which sets $WORK and links resources/ there:
+# engine's configuration alone). On a machine without network, copy the wheels there first; set $WORK to a
+# folder that outlives the session, with resources/ (the pinned wheels) linked into it:
 #   bash benchmarks/h200-scale.sh OUT_DIR [TIMEOUT_S]
 # Interrupted by TIMEOUT_S, a second call resumes (the models are kept, Snakemake keeps finished jobs, the passes
 # keep finished batches). Writes OUT_DIR/h200-scale-7b.{json,md} and OUT_DIR/logs.tgz.

@@ -4,7 +4,7 @@ the step's cost does not depend on their values) and the batch sizes and context
 
     PYTHONPATH=. python benchmarks/static_attention.py [--out FILE.json]
 
-Needs a CUDA device and the workflow's packages (on the lent H200: staged by ../shared/tools/gpu-stage), no model
+Needs a CUDA device and the workflow's packages (on a machine without network: their wheels copied there), no model
 weights. Prints one row per (model, rows, prefix) with the median step time of each attention over several loads
 of the decoder.
 """
