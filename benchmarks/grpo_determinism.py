@@ -20,7 +20,7 @@ run, key, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 results = run / "results"
 record = read_json(results / "models" / key / "replaynoise-model.json")
 origin = record["origin"]
-base = results / "models" / f"{origin['base']['spec']}-{origin['base']['dtype']}"
+base = results / "models" / key.rsplit("-grpo-", 1)[0]  # a trained model's key extends its base's
 problems_file = results / "training" / key / "problems.parquet"
 if problems_file.is_file():
     problems = read_parquet(problems_file)

@@ -306,8 +306,7 @@ def read_problems(source: str, path: str | None, cache_dir: Path) -> LoadedProbl
 def training_set(source: str, cache_dir: Path, exclude: list[str]) -> pl.DataFrame:
     """The problems a model is trained on: a packaged set without the questions ``exclude`` (the evaluation's
     sampled problems, where they come from the same set: a model must not be scored on what it was trained on)."""
-    problems = read_problems(source, None, Path(cache_dir)).frame
-    kept = problems.filter(~pl.col("question").is_in(exclude))
+    kept = load_problems(source, None, cache_dir).filter(~pl.col("question").is_in(exclude))
     if kept.height == 0:
         raise ValueError(f"train.dataset {source!r}: no problem is left once the evaluation's are taken out")
     return kept

@@ -12,6 +12,7 @@ import functools
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import version as package_version
 from pathlib import Path
@@ -188,8 +189,7 @@ def prepare_model(spec: str, dtype: str, out_dir: Path, cache_dir: Path) -> dict
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     kind, source = resolve_model_spec(spec)
     out_dir = Path(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staging_dir(out_dir) as tmp:
         if kind == "packaged":
             gguf = assemble_gguf(source, Path(cache_dir))
             _convert_gguf(gguf, dtype, tmp)
@@ -204,10 +204,19 @@ def prepare_model(spec: str, dtype: str, out_dir: Path, cache_dir: Path) -> dict
                       "weights_stamp": {p.name: file_stamp(p) for p in weights}}
         info = {"spec": spec, "dtype": dtype, "origin": origin}
         publish_model_dir(tmp, out_dir, info)
+    return info
+
+
+@contextlib.contextmanager
+def staging_dir(out_dir: Path) -> Iterator[Path]:
+    """A folder beside ``out_dir`` to write a model directory in before ``publish_model_dir`` moves it into place;
+    removed if the writing fails, so no half-written model is ever left where a step would look."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield tmp
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return info
 
 
 def publish_model_dir(tmp: Path, out_dir: Path, info: dict) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from importlib.metadata import version as package_version
 from pathlib import Path
@@ -30,6 +29,7 @@ from replaynoise.models import (
     load_tokenizer,
     model_weights_dir,
     publish_model_dir,
+    staging_dir,
     stop_token_ids,
 )
 from replaynoise.prompts import chat_turns, check_chat_template, check_style, plain_text
@@ -53,23 +53,18 @@ def training_prompts(problems: pl.DataFrame, tokenizer, prompt: dict) -> Dataset
                               "problem_id": problems["problem_id"].to_list()})
 
 
-def completion_text(completion, stops: Sequence[str] = ()) -> str:
-    """A completion's text as the rollouts grade it: the assistant turn's content, cut at the first stop text."""
-    text = completion[-1]["content"] if isinstance(completion, list) else completion
-    for stop in stops:
-        text = text.split(stop, 1)[0]
-    return text
+def completion_text(completion) -> str:
+    """A completion's text (the assistant turn's content for a chat prompt). It ends at its end or stop token,
+    where TRL cuts it, so it is graded on the text a rollout would be."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
 
 
-def correctness_reward(stops: Sequence[str] = ()):
+def correct(completions, gold, **_) -> list[float]:
     """The reward: 1 for a completion whose final answer the grader accepts, else 0."""
-    def correct(completions, gold, **_) -> list[float]:
-        return [float(is_correct(extract_answer(completion_text(c, stops)), g)) for c, g in zip(completions, gold)]
-
-    return correct
+    return [float(is_correct(extract_answer(completion_text(c)), g)) for c, g in zip(completions, gold)]
 
 
-def grpo_config(train: dict, work_dir: Path, device: str, threads: int, ends: Sequence[int]) -> GRPOConfig:
+def grpo_config(train: dict, work_dir: Path, device: str) -> GRPOConfig:
     """TRL's settings from the train block; what the block does not name keeps TRL's default."""
     completions = train["prompts_per_step"] * train["generations"]
     return GRPOConfig(
@@ -84,8 +79,6 @@ def grpo_config(train: dict, work_dir: Path, device: str, threads: int, ends: Se
         gradient_checkpointing=False,
         # fp32 master weights; TF32 matmuls outside the bf16 autocast (generation) cut a step's time
         tf32=device != "cpu",
-        # a completion ends where a rollout would: at the engines' end tokens and the configuration's stop tokens
-        generation_kwargs={"eos_token_id": list(ends)},
         # the reference model (kl_coef > 0) loads as every model here does: offline, safetensors only, on the
         # run's device (TRL's default spreads it over every visible GPU)
         model_init_kwargs={"local_files_only": True, "use_safetensors": True,
@@ -107,12 +100,12 @@ def train_grpo(base_dir: Path, out_dir: Path, work_dir: Path, *, train: dict, pr
     # fp32 master weights: the optimizer's small steps vanish in bf16 (bf16 autocast on a GPU computes in it)
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32, local_files_only=True,
                                                  trust_remote_code=False, use_safetensors=True)
-    ends = sorted(eos_ids(weights, tokenizer) | stop_token_ids(tokenizer, stops))
-    trainer = GRPOTrainer(model=model, reward_funcs=[correctness_reward(stops)],
-                          args=grpo_config(train, work, device, threads, ends),
+    # A completion ends where a rollout would, at the engines' end tokens and the configuration's stop tokens. TRL
+    # reads its end tokens from the generation config once, and stops generating, cuts the completion (so nothing
+    # after a stop is trained on or graded) and masks the loss at them.
+    model.generation_config.eos_token_id = sorted(eos_ids(weights, tokenizer) | stop_token_ids(tokenizer, stops))
+    trainer = GRPOTrainer(model=model, reward_funcs=[correct], args=grpo_config(train, work, device),
                           train_dataset=training_prompts(problems, tokenizer, prompt), processing_class=tokenizer)
-    # the completion mask ends at the first of these, so nothing after a stop text is trained on
-    trainer.eos_token_ids = sorted(set(trainer.eos_token_ids) | set(ends))
     resume = last_checkpoint(work)
     if resume:
         print(f"resuming training from {resume}", file=sys.stderr, flush=True)
@@ -136,10 +129,9 @@ def last_checkpoint(work: Path) -> Path | None:
 
 def save_model(model, tokenizer, dtype: str, out_dir: Path, origin: dict, base: Path) -> dict:
     """Write a prepared model directory in ``dtype`` (the configuration's), atomically. Its config and generation
-    config are the base model's: TRL aligns the model's end token with the tokenizer's, and a trained model that
-    stopped elsewhere than its base would differ at evaluation in more than its weights."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    config are the base model's: transformers' Trainer rewrites the model's end token to the tokenizer's, and a
+    trained model that stopped elsewhere than its base would differ at evaluation in more than its weights."""
+    with staging_dir(out_dir) as tmp:
         model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         for name in ("config.json", "generation_config.json"):
@@ -149,8 +141,5 @@ def save_model(model, tokenizer, dtype: str, out_dir: Path, origin: dict, base: 
         origin = {**origin, "weights_sha256": {p.name: sha256_file(p) for p in sorted(tmp.glob("*.safetensors"))}}
         info = {"spec": f"grpo:{origin['base']['spec']}", "dtype": dtype, "origin": origin}
         publish_model_dir(tmp, out_dir, info)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return info
 

@@ -18,6 +18,7 @@ LOG_COLUMNS = {
     "clipped_ratio": "completions/clipped_ratio", "learning_rate": "learning_rate", "grad_norm": "grad_norm",
     "loss": "loss",
 }
+LOG_SCHEMA = {"step": pl.Int64, **{col: pl.Float64 for col in LOG_COLUMNS}}
 
 
 def training_log(history: Sequence[Mapping]) -> pl.DataFrame:
@@ -28,8 +29,7 @@ def training_log(history: Sequence[Mapping]) -> pl.DataFrame:
         if "reward" in entry and "step" in entry:
             rows[int(entry["step"])] = {"step": int(entry["step"]),
                                         **{col: _float(entry.get(key)) for col, key in LOG_COLUMNS.items()}}
-    schema = {"step": pl.Int64, **{col: pl.Float64 for col in LOG_COLUMNS}}
-    return pl.DataFrame([rows[s] for s in sorted(rows)], schema=schema)
+    return pl.DataFrame([rows[s] for s in sorted(rows)], schema=LOG_SCHEMA)
 
 
 def _float(value) -> float | None:
@@ -42,5 +42,4 @@ def write_training_log(log: pl.DataFrame, target: str | os.PathLike) -> None:
 
 
 def read_training_log(path: str | os.PathLike) -> pl.DataFrame:
-    schema = {"step": pl.Int64, **{col: pl.Float64 for col in LOG_COLUMNS}}
-    return pl.read_csv(path, schema=schema)
+    return pl.read_csv(path, schema=LOG_SCHEMA)
