@@ -20,6 +20,7 @@ import numpy as np
 import polars as pl
 
 from replaynoise.passes import REQUIRED_PASSES
+from replaynoise.plan import POOL_KEYS
 from replaynoise.stats import (
     METRIC_DEFINITIONS,
     METRICS,
@@ -373,9 +374,6 @@ def pool_credit(credits: Mapping[str, Mapping[str, pl.DataFrame]], sep: str = ":
 #: What configurations must share to be pooled. A stock engine's floor and re-feed rate come from its kernels'
 #: batch dependence, which an invariant configuration does not have and another engine has in other measure;
 #: pooled, they make a number that describes none of the runs.
-POOL_KEYS = ("engine", "kernels")
-
-
 def pool_groups(settings: Mapping[str, Mapping[str, Any]]) -> dict[tuple[str, ...], list[str]]:
     """Configuration names by their ``POOL_KEYS`` values, names sorted within a group, groups sorted."""
     groups: dict[tuple[str, ...], list[str]] = {}

@@ -1,13 +1,13 @@
 """The figures and the table of the cache-transplant and precision controls (method.md §7), drawn from the
 ``controls`` block of each configuration's comparison.json.
 
-Which of them a run makes follows from its passes (``control_outputs``), so a run without controls plans none.
+Which of them a run makes follows from its passes (``plan.control_outputs``), so a run without controls plans none.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -15,22 +15,11 @@ import polars as pl
 
 from replaynoise.figures import message_figure, new_figure, save_figure
 from replaynoise.io import atomic_path
-from replaynoise.passes import FLOOR_CONTROLS, FLOOR_PASSES, LAYER_PASS, pass_spec
+from replaynoise.passes import FLOOR_PASSES, LAYER_PASS, pass_spec
 
 PathLike = str | os.PathLike
 CHANNEL_LABELS = {"token_ids": "continuation tokens", "next_topk": "first-step top-k log-probs", "a_hat": "credit Â"}
 DONOR, RECIPIENT = "#1f77b4", "#ff7f0e"
-
-
-def control_outputs(passes: Sequence[str]) -> dict[str, list[str]]:
-    """The control figures and tables this list of passes gives: a transplant figure where a transplant runs, the
-    per-layer curve where a per-layer transplant runs, the table where any control runs."""
-    specs = [pass_spec(p) for p in passes]
-    figures = (["transplant"] if any(s.donor for s in specs) else []) + (
-        ["transplant_layers"] if any(LAYER_PASS.fullmatch(p) for p in passes) else [])
-    tables = (["controls"] if any(not s.source.plain for s in specs) else []) + (
-        ["floors"] if any(p in FLOOR_CONTROLS for p in passes) else [])
-    return {"figures": figures, "tables": tables}
 
 
 def _controls(results: Mapping[str, dict] | None, key: str) -> dict[str, Any]:

@@ -26,27 +26,11 @@ from replaynoise.stats import disagree
 PNG_METADATA = {"Software": None}
 PDF_METADATA = {"CreationDate": None, "Producer": None, "Creator": None}
 NO_DATA = "no eligible pivots"
-#: The workflow's figures by what they are drawn from (each is ``plot_<name>``), named once for the rules and
-#: for a rebuild from a reference folder.
-FROM_COMPARISONS = ("disagreement", "kinds_of_change", "jaccard_sweep", "mismatch_flips")
-FROM_CREDIT = ("diff_histogram", "disagreement_vs_margin")
-
-
-def plot_options(name: str, config: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings of a configuration that figure ``name`` is drawn with: its rule's params (so a change reruns
-    only the figures that use it) and a rebuild's, from one place."""
-    if name == "channel_agreement":
-        return {}
-    options: dict[str, Any] = {"conditioning": config["figures"]["conditioning"]}
-    if name == "disagreement_vs_margin":
-        options.update(n_bins=config["figures"]["margin_bins"], metric=config["analysis"]["metric"])
-    return options
 COLORS = {"floor": "#7f7f7f", "refeed": "#d62728", "refeed_text": "#ff7f0e", "replica_fresh": "#1f77b4",
           "refeed_replica": "#e377c2", "serial": "#2ca02c",
           "zero_crossing": "#d62728", "reversal": "#9467bd", "magnitude": "#bcbd22", "ceiling": "#7f7f7f"}
 
 PathLike = str | os.PathLike
-
 
 # ------------------------------------------------------------------------------------------------ saving
 

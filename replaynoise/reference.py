@@ -35,7 +35,7 @@ from pathlib import Path
 
 import polars as pl
 
-from replaynoise import control_report, figures
+from replaynoise import control_report, figures, plan
 from replaynoise.analysis import compare_passes, comparison_settings, pooled_comparison
 from replaynoise.config import analysis_hash
 from replaynoise.io import read_json, read_parquet, sha256_file, write_json
@@ -270,13 +270,13 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
     everything = {**comparisons, "pooled": pooled}
     write_headline_tables(headline_rows(everything), pooled_ref["analysis_hash"], *tables, mismatch_lines(everything))
     written += tables
-    drawn = {name: comparisons for name in figures.FROM_COMPARISONS} | {name: credits for name in figures.FROM_CREDIT}
+    drawn = {name: comparisons for name in plan.FROM_COMPARISONS} | {name: credits for name in plan.FROM_CREDIT}
     drawn["channel_agreement"] = {c: (comparisons[c], committed[c][1]) for c in configs}
     for name, data in drawn.items():
         png, pdf = out / "figures" / f"{name}.png", out / "figures" / f"{name}.pdf"
-        getattr(figures, f"plot_{name}")(data, png, pdf, **figures.plot_options(name, config))
+        getattr(figures, f"plot_{name}")(data, png, pdf, **plan.plot_options(name, config))
         written += [png, pdf]
-    controls = control_report.control_outputs(passes)  # from the committed controls block
+    controls = plan.control_outputs(passes)  # from the committed controls block
     for name in controls["figures"]:
         png, pdf = out / "figures" / f"{name}.png", out / "figures" / f"{name}.pdf"
         getattr(control_report, f"plot_{name}")(comparisons, png, pdf)

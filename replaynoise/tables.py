@@ -17,8 +17,7 @@ import polars as pl
 from replaynoise.analysis import CONDITIONINGS
 from replaynoise.io import write_text
 from replaynoise.stats import check_metric
-
-NA = "n/a"
+from replaynoise.summary import NA, aligned
 
 #: The paper's figures (method.md section 5; abstract of arXiv 2606.15621). Shares are fractions, excess is pp.
 PAPER_RANGES: dict[str, dict[str, Any]] = {
@@ -260,56 +259,7 @@ def render_table1(df: pl.DataFrame, conditioning: str = "main") -> str:
     cells += [[fn(r).replace(NA, "—") for _, fn in TABLE1_COLUMNS] for r in rows.iter_rows(named=True)]
     lines = [f"Table 1 (conditioning {conditioning}, metric {', '.join(metrics)}; rates in %, "
              "polarity-reversal share of n in parentheses)"]
-    return "\n".join(lines + _aligned(cells)) + "\n"
-
-
-def _aligned(cells: list[list[str]], indent: str = "") -> list[str]:
-    """Rows of text cells as aligned lines: the first column left-aligned, the rest right, a rule under the
-    header row."""
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    lines = []
-    for j, row in enumerate(cells):
-        lines.append(indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                        for i, (c, w) in enumerate(zip(row, widths))))
-        if j == 0:
-            lines.append(indent + "  ".join("-" * w for w in widths))
-    return lines
-
-
-#: The end-of-run summary's columns: a short table a terminal can hold.
-SUMMARY_HEADERS = ("configuration", "n (problems)", "re-feed %", "floor %", "excess pp [95% CI]", "t per problem")
-
-
-def _summary_value(row: dict, column: str, scale: float, fmt: str) -> str:
-    value = row.get(column)
-    try:
-        return fmt.format(float(value) * scale)
-    except (TypeError, ValueError):
-        return NA
-
-
-def run_summary(headline_csv: str | os.PathLike, conditioning: str = "main") -> str:
-    """The main rows of a finished run's headline table, printed at the end of the run: what was measured and
-    where the files are, without opening them. Cells the analysis left undefined print as n/a, with its note."""
-    rows = pl.read_csv(headline_csv, comment_prefix="#", infer_schema_length=0)
-    rows = rows.filter(pl.col("conditioning") == conditioning).to_dicts()
-    cells = [list(SUMMARY_HEADERS)]
-    notes = []
-    for r in rows:
-        excess = _summary_value(r, "excess_pp", 1.0, "{:+.1f}")
-        if excess != NA:
-            excess += (f" [{_summary_value(r, 'excess_pp_ci_lo', 1.0, '{:+.1f}')}, "
-                       f"{_summary_value(r, 'excess_pp_ci_hi', 1.0, '{:+.1f}')}]")
-        cells.append([r["config"], f"{r['n']} ({r['n_problems']})",
-                      _summary_value(r, "refeed_disagreement", 100.0, "{:.1f}"),
-                      _summary_value(r, "floor", 100.0, "{:.1f}"), excess,
-                      _summary_value(r, "t_per_problem", 1.0, "{:.2f}")])
-        if r.get("note") not in (None, "", NA):
-            notes.append(f"  {r['config']}: {r['note']}")
-    metrics = ", ".join(sorted({r["metric"] for r in rows})) or "sign"
-    lines = [f"Re-feed against the replica floor ({conditioning} conditioning, {metrics} metric; "
-             f"{headline_csv}):"]
-    return "\n".join(lines + _aligned(cells, indent="  ") + notes) + "\n"
+    return "\n".join(lines + aligned(cells)) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------- headline

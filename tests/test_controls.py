@@ -1,4 +1,4 @@
-"""The cache-transplant and precision controls (method.md §7, issue 16), on a tiny random Llama on the CPU.
+"""The cache-transplant and precision controls (method.md §7), on a tiny random Llama on the CPU.
 
 In bfloat16 a re-fed prefix's KV differs from the decode-time KV (a batched prefill against one token per step),
 so exact and refeed continuations differ; a transplant must then follow its donor bit for bit wherever the rest
@@ -161,7 +161,7 @@ def test_the_transplant_summary_says_whom_a_continuation_follows_where_donor_and
 # --------------------------------------------------------------------- the paper's two missing controls
 
 def test_the_floors_table_is_planned_only_where_refeed_replica_or_serial_runs():
-    from replaynoise.control_report import control_outputs
+    from replaynoise.plan import control_outputs
 
     assert "floors" not in control_outputs(["exact", "replica", "refeed", "replica_fresh"])["tables"]
     assert control_outputs(["exact", "replica", "refeed", "serial"])["tables"] == ["floors"]

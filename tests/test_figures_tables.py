@@ -11,13 +11,13 @@ import pytest
 from replaynoise import figures
 from replaynoise.analysis import CONDITIONINGS, compare_passes
 from replaynoise.credit import CREDIT_COLUMNS
+from replaynoise.summary import run_summary
 from replaynoise.tables import (
     HEADLINE_SCHEMA,
     PAPER_RANGES,
     headline_rows,
     paper_range,
     render_table1,
-    run_summary,
     tex_escape,
     write_headline_tables,
 )

@@ -9,8 +9,6 @@ from snakemake.settings.types import DeploymentMethod
 
 sys.path.insert(0, workflow.basedir)
 
-from replaynoise.analysis import POOL_KEYS  # noqa: E402
-from replaynoise.control_report import control_outputs  # noqa: E402
 from replaynoise.config import (  # noqa: E402
     ConfigError,
     analysis_hash,
@@ -21,13 +19,19 @@ from replaynoise.config import (  # noqa: E402
     validate_config,
 )
 from replaynoise.datasets import check_n_problems  # noqa: E402
-from replaynoise.figures import FROM_COMPARISONS, FROM_CREDIT, plot_options  # noqa: E402
-from replaynoise.models import model_source_files, resolve_model_spec  # noqa: E402
+from replaynoise.models import model_source_files, prepared_model_key  # noqa: E402
 from replaynoise.passes import pass_spec  # noqa: E402
+from replaynoise.plan import (  # noqa: E402
+    FROM_COMPARISONS,
+    FROM_CREDIT,
+    POOL_KEYS,
+    control_outputs,
+    plot_options,
+)
 from replaynoise.io import stable_hash  # noqa: E402
 from replaynoise.provenance import source_digest  # noqa: E402
 from replaynoise.shards import shard_names  # noqa: E402
-from replaynoise.tables import run_summary  # noqa: E402
+from replaynoise.summary import run_summary  # noqa: E402
 
 try:
     for _path in workflow.configfiles:  # Snakemake's YAML loader keeps the last of two equal keys, silently
@@ -79,15 +83,9 @@ def dataset_name():
 
 
 def base_model_key(name):
-    """Configurations that share model and dtype share one prepared model directory. A local directory's key
-    carries a short hash of its resolved path beside the readable name, so no two directories ever share one
-    (``/m/x/y`` and ``/m/x_y`` read alike once slugged)."""
+    """The prepared model a configuration's model and dtype name (before any train block)."""
     settings = config["configs"][name]
-    kind, source = resolve_model_spec(settings["model"])
-    if kind == "packaged":
-        return f"{settings['model']}-{settings['dtype']}"
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", source.name).strip("_") or "model"
-    return f"{slug}-{stable_hash(str(source.resolve()))[:8]}-{settings['dtype']}"
+    return prepared_model_key(settings["model"], settings["dtype"])
 
 
 def train_recipe(name):

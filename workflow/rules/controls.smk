@@ -1,5 +1,5 @@
 # The controls of method.md section 7 (cache transplants, precision arms): their figures and table, planned only
-# where replay.passes runs such passes (replaynoise.control_report.control_outputs).
+# where replay.passes runs such passes (replaynoise.plan.control_outputs).
 for _fig in CONTROL_FIGURES:
 
     rule:
