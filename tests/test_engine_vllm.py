@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from conftest import PACKAGES, REPO  # noqa: E402
+from helpers import PACKAGES, REPO  # noqa: E402
 
 from replaynoise import replay  # noqa: E402
 from replaynoise.analysis import cache_summary  # noqa: E402

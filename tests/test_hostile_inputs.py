@@ -18,7 +18,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import yaml
-from conftest import REPO, SNAKEMAKE, TINY, clone_run, planned_rules, seed_model, snakemake, with_setting
+from helpers import REPO, SNAKEMAKE, TINY, clone_run, planned_rules, seed_model, snakemake, with_setting
 
 from replaynoise import io as rio
 from replaynoise import models, reanalyze, reference, replay, rollouts
@@ -461,7 +461,7 @@ def test_a_machine_without_the_gpu_or_vllm_is_named_before_any_job(tmp_path, mon
     assert platform_problems(vllm, conda=True, dev=tmp_path) == []
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("tiny_model")
 def test_device_cuda_without_a_gpu_stops_the_run_before_any_job(tmp_path):
     if platform_problems(validate_config(with_setting(TINY, "configs.tiny.device", "cuda"))) == []:
         pytest.skip("this machine has a GPU")
@@ -471,7 +471,7 @@ def test_device_cuda_without_a_gpu_stops_the_run_before_any_job(tmp_path):
     assert not (tmp_path / "results" / "models").exists() and not (tmp_path / "results" / "problems").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("tiny_model")
 def test_an_overlay_without_replace_workflow_config_warns_at_the_start(tmp_path):
     overlay = tmp_path / "mine.yaml"
     overlay.write_text(yaml.safe_dump({"configs": {"mine": TINY["configs"]["tiny"]}}))
@@ -485,7 +485,7 @@ def test_an_overlay_without_replace_workflow_config_warns_at_the_start(tmp_path)
 
 # -------------------------------------------------------------------- 2. every lost output is rebuilt
 
-@pytest.mark.slow
+@pytest.mark.slow  # twelve dry runs of the workflow
 def test_every_kind_of_output_lost_between_runs_is_rebuilt_by_the_next_plain_run(tiny_run, tmp_path):
     """--forcerun deletes a step's outputs before running it; Ctrl-C then leaves them missing while everything
     downstream still exists. The next plain run must rebuild each, not say "Nothing to be done"."""
@@ -511,36 +511,36 @@ def test_every_kind_of_output_lost_between_runs_is_rebuilt_by_the_next_plain_run
         shutil.copy2(kept, run / path)
 
 
-@pytest.mark.slow
-def test_the_sampling_step_records_the_digest_of_what_it_read(tmp_path, smollm2_dir):
+def test_the_sampling_step_records_the_digest_of_what_it_read(tmp_path, tiny_prepared):
     data = jsonl(tmp_path / "mine.jsonl", [{"question": f"What is {i} plus 1?", "answer": str(i + 1)}
                                            for i in range(3)])
     config = with_setting(with_setting(with_setting(TINY, "dataset.source", "file"), "dataset.path", str(data)),
                       "dataset.n_problems", 3)
     work = tmp_path / "work"
-    seed_model(work, smollm2_dir)
+    seed_model(work, tiny_prepared)
     snakemake(work, config, "results/problems/file-mine.parquet")
     assert read_json(work / "results" / "problems" / "file-mine.read.json") == {
         "path": str(data), "sha256": sha256_file(data)}
 
 
-@pytest.mark.slow
-def test_a_prompt_past_the_context_stops_the_rollout_step_by_file_and_line(tmp_path, smollm2_dir):
-    """A 9,000-word question on SmolLM2 (8,192 positions) ran for minutes and gave a graded answer; the rollout
-    step now stops before generating anything, or with rollouts.long_prompts: skip leaves it out and says so."""
+@pytest.mark.slow  # three runs of the rollout step
+def test_a_prompt_past_the_context_stops_the_rollout_step_by_file_and_line(tmp_path, tiny_prepared):
+    """A question longer than the model's context (a 9,000-word one on SmolLM2's 8,192 positions ran for minutes
+    and gave a graded answer) stops the rollout step before it generates anything; with rollouts.long_prompts:
+    skip the step leaves it out and says so. The tiny model has 512 positions."""
     rows = [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(3)]
-    rows[1]["question"] = "word " * 9000 + "What is 1 plus 1?"
+    rows[1]["question"] = "word " * 600 + "What is 1 plus 1?"
     data = jsonl(tmp_path / "mine.jsonl", rows)
     config = TINY
     for key, value in {"dataset.source": "file", "dataset.path": str(data), "dataset.sample": "first"}.items():
         config = with_setting(config, key, value)
     work = tmp_path / "work"
-    seed_model(work, smollm2_dir)
+    seed_model(work, tiny_prepared)
     target = "results/rollouts/tiny/rollouts.parquet"
     assert snakemake(work, config, target, check=False).returncode != 0
     log = (work / "results" / "logs" / "generate_rollouts" / "tiny.000.log").read_text()
-    assert re.search(rf"{re.escape(str(data))}:2: problem mine-1: \d{{4}} prompt tokens", log), log[-2000:]
-    assert "configuration tiny: 1 prompt(s) and their 24 rollout tokens" in log and "8192-position context" in log
+    assert re.search(rf"{re.escape(str(data))}:2: problem mine-1: \d{{3,}} prompt tokens", log), log[-2000:]
+    assert "configuration tiny: 1 prompt(s) and their 24 rollout tokens" in log and "512-position context" in log
     skip = with_setting(config, "rollouts.long_prompts", "skip")
     snakemake(work, skip, target)
     assert pl.read_parquet(work / target)["problem_id"].unique(maintain_order=True).to_list() == ["mine-0", "mine-2"]

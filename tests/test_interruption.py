@@ -4,7 +4,8 @@ The whole Snakemake process group (Snakemake and the step it runs) gets SIGKILL,
 no handler, no atexit, no flush. The rerun must then finish from what is on disk and produce a manifest equal,
 byte for byte, to that of the uninterrupted reference run; long steps must pick up their kept shards instead of
 starting again. Two schedules of kills: at named events (a file appearing mid-step or between steps) and at
-seeded random delays until the run completes.
+seeded random delays until the run completes; both run the whole workflow many times, so they are slow. The
+everyday tier kills one pass's path inside each long step.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY, seed_model, snakemake, snakemake_command
+from helpers import TINY, seed_model, snakemake, snakemake_command
 
-pytestmark = pytest.mark.slow
+from replaynoise.io import sha256_file
 
 #: (where the kill lands, glob whose appearance triggers it, glob that shows the run is already past it). Steps
 #: run in an order Snakemake picks, and scratch shards vanish when their step ends, hence the third column.
@@ -48,9 +49,18 @@ EVENT_KILLS = [
 RESUME_MARK = "resuming,"
 
 
-def start(workdir: Path) -> subprocess.Popen:
+#: What the everyday tier runs and kills: one pass's path, through the long steps (rollouts and a pass, both
+#: resumable from kept shards), and the kills inside them.
+EXACT_PATH = "results/credit/tiny/exact.parquet"
+EXACT_PATH_FILES = ["rollouts/tiny/rollouts.parquet", "pivots/tiny.parquet", "passes/tiny/exact.parquet",
+                    "credit/tiny/exact.parquet"]
+EXACT_PATH_KILLS = [kill for kill in EVENT_KILLS if kill[0] in ("mid-rollouts: first rollout kept",
+                                                                "mid-pass: first exact batch kept")]
+
+
+def start(workdir: Path, *targets: str) -> subprocess.Popen:
     """Snakemake in a session of its own, so one killpg reaches every process of the run."""
-    cmd = snakemake_command(workdir, TINY)
+    cmd = snakemake_command(workdir, TINY, *targets)
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -79,9 +89,9 @@ def resumed_steps(workdir: Path) -> set[str]:
     return {p.parent.name for p in logs.rglob("*.log") if RESUME_MARK in p.read_text(errors="replace")}
 
 
-def run_with_kill_at(workdir: Path, pattern: str, timeout: float = 600) -> bool:
+def run_with_kill_at(workdir: Path, pattern: str, *targets: str, timeout: float = 600) -> bool:
     """Run until ``pattern`` matches a file, then kill the group; False if the run ended first."""
-    proc = start(workdir)
+    proc = start(workdir, *targets)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(workdir.glob(pattern)):
@@ -116,8 +126,23 @@ def finish_and_compare(workdir: Path, reference: Path) -> None:
     assert not list((workdir / "results").rglob("*.tmp")), "temporary files left behind"
 
 
-def test_kills_at_named_events_recover_identical_results(tiny_run, smollm2_dir, tmp_path):
-    seed_model(tmp_path, smollm2_dir)
+def test_kills_inside_the_long_steps_resume_from_kept_shards_to_identical_files(tiny_run, tiny_prepared, tmp_path):
+    seed_model(tmp_path, tiny_prepared)
+    for label, pattern, _ in EXACT_PATH_KILLS:
+        unlock(tmp_path)
+        assert run_with_kill_at(tmp_path, pattern, EXACT_PATH), f"the run ended before the kill {label!r}"
+    unlock(tmp_path)
+    snakemake(tmp_path, TINY, EXACT_PATH)
+    assert {"generate_rollouts", "replay_exact"} <= resumed_steps(tmp_path)
+    for rel in EXACT_PATH_FILES:
+        ours, theirs = tmp_path / "results" / rel, tiny_run / "results" / rel
+        assert sha256_file(ours) == sha256_file(theirs), f"{rel}: interrupted and uninterrupted runs differ"
+    assert not list((tmp_path / "results").rglob("*.tmp")), "temporary files left behind"
+
+
+@pytest.mark.slow  # the whole workflow, killed and rerun some fifteen times
+def test_kills_at_named_events_recover_identical_results(tiny_run, tiny_prepared, tmp_path):
+    seed_model(tmp_path, tiny_prepared)
     tried, resumed = [], set()
     for label, pattern, past in EVENT_KILLS:
         if any(tmp_path.glob(pattern)) or any(tmp_path.glob(past)):
@@ -135,8 +160,9 @@ def test_kills_at_named_events_recover_identical_results(tiny_run, smollm2_dir, 
     assert "generate_rollouts" in resumed and resumed & {"replay_exact", "replay_refeed", "replay_replica"}
 
 
-def test_kills_at_random_delays_recover_identical_results(tiny_run, smollm2_dir, tmp_path):
-    seed_model(tmp_path, smollm2_dir)
+@pytest.mark.slow  # the whole workflow, killed and rerun up to ten times
+def test_kills_at_random_delays_recover_identical_results(tiny_run, tiny_prepared, tmp_path):
+    seed_model(tmp_path, tiny_prepared)
     rng = random.Random(20260614)
     delays = []
     for _ in range(10):

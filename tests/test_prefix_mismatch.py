@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from conftest import TINY, clone_run, snakemake
+from helpers import TINY, clone_run, snakemake
 from tinymodel import VOCAB, Tokenizer, tiny_llama
 
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
@@ -226,9 +226,9 @@ def test_a_scorer_sets_its_prefill_against_the_rollouts_engine_once_per_pivot(mo
     assert not summary["metrics"]["zero"] and 0 < summary["metrics"]["k3_kl"] < 0.05
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a second configuration's model jobs on a finished run
 def test_the_workflow_scores_one_configurations_pivots_with_anothers_engine(tiny_run, tmp_path):
-    """A finished run gains a second configuration of its model (its CPU matmuls in bf16, not fp32) and a cross
+    """A finished run gains a second configuration of its model (its CPU matmuls native, not fp32) and a cross
     pair: the scorer's one job reads the first configuration's rollouts and pivots and nothing of theirs reruns."""
     run = clone_run(tiny_run, tmp_path / "run")
     native = {**TINY["configs"]["tiny"], "cpu_matmul": "native"}

@@ -16,9 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, copy_linking
-
-pytestmark = pytest.mark.slow
+from helpers import REPO, copy_linking
 
 
 class _Booby:
@@ -31,28 +29,28 @@ class _Booby:
         return (open, (str(self.marker), "w"))
 
 
-def copy_model(smollm2_dir: Path, dest: Path) -> Path:
-    """A copy whose small files the tests may rewrite in place; the weights are hard-linked, since the tests only
-    add files beside them or delete them."""
-    return copy_linking(smollm2_dir, dest, lambda path: path.suffix == ".safetensors")
+def copy_model(model_dir: Path, dest: Path) -> Path:
+    """A copy of a user's model directory whose small files the tests may rewrite in place; the weights are
+    hard-linked, since the tests only add files beside them or delete them."""
+    return copy_linking(model_dir, dest, lambda path: path.suffix == ".safetensors")
 
 
-def test_pickle_weights_beside_safetensors_are_never_unpickled(smollm2_dir, tmp_path):
-    from replaynoise.models import load_model
+def test_pickle_weights_beside_safetensors_are_never_unpickled(tiny_model, tmp_path):
+    from replaynoise.models import load_weights
 
-    model_dir = copy_model(smollm2_dir, tmp_path / "model")
+    model_dir = copy_model(tiny_model, tmp_path / "model")
     marker = tmp_path / "pickle-was-executed"
     for name in ("pytorch_model.bin", "training_args.bin", "optimizer.pt"):
         (model_dir / name).write_bytes(pickle.dumps(_Booby(marker)))
-    model, _ = load_model(model_dir, "bfloat16")
-    assert model.config.num_hidden_layers == 30
+    model, _ = load_weights(model_dir, "float32")
+    assert model.config.num_hidden_layers == 2
     assert not marker.exists()
 
 
-def test_a_pickle_only_model_is_refused(smollm2_dir, tmp_path):
+def test_a_pickle_only_model_is_refused(tiny_model, tmp_path):
     from replaynoise.models import check_local_model_dir
 
-    model_dir = copy_model(smollm2_dir, tmp_path / "model")
+    model_dir = copy_model(tiny_model, tmp_path / "model")
     for p in model_dir.glob("*.safetensors"):
         p.unlink()
     marker = tmp_path / "pickle-was-executed"
@@ -62,10 +60,10 @@ def test_a_pickle_only_model_is_refused(smollm2_dir, tmp_path):
     assert not marker.exists()
 
 
-def test_remote_code_named_by_a_model_is_never_run(smollm2_dir, tmp_path):
-    from replaynoise.models import load_model
+def test_remote_code_named_by_a_model_is_never_run(tiny_model, tmp_path):
+    from replaynoise.models import load_weights
 
-    model_dir = copy_model(smollm2_dir, tmp_path / "model")
+    model_dir = copy_model(tiny_model, tmp_path / "model")
     marker = tmp_path / "remote-code-was-executed"
     code = f"open({str(marker)!r}, 'w').close()\n"
     for module in ("modeling_evil", "configuration_evil", "tokenization_evil"):
@@ -78,7 +76,7 @@ def test_remote_code_named_by_a_model_is_never_run(smollm2_dir, tmp_path):
     tok_config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
     (model_dir / "tokenizer_config.json").write_text(json.dumps(tok_config))
     try:
-        model, _ = load_model(model_dir, "bfloat16")
+        model, _ = load_weights(model_dir, "float32")
     except ValueError as exc:  # refusing is as good as ignoring; running it is not
         assert "trust_remote_code" in str(exc) or "remote code" in str(exc)
     else:
@@ -87,10 +85,10 @@ def test_remote_code_named_by_a_model_is_never_run(smollm2_dir, tmp_path):
     assert not any(m.startswith(("modeling_evil", "transformers_modules")) for m in sys.modules)
 
 
-def test_loading_and_generating_need_no_network(smollm2_dir, tmp_path, monkeypatch):
+def test_loading_and_generating_need_no_network(tiny_model, tmp_path, monkeypatch):
     from replaynoise.engines.base import RolloutRequest, SamplingSettings
     from replaynoise.engines.hf import HFEngine
-    from replaynoise.models import load_model
+    from replaynoise.models import load_weights
 
     attempts = []
 
@@ -101,7 +99,7 @@ def test_loading_and_generating_need_no_network(smollm2_dir, tmp_path, monkeypat
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket.socket, "connect_ex", refuse)
     monkeypatch.setattr(socket, "create_connection", lambda address, *a, **k: refuse(None, address))
-    model, tokenizer = load_model(smollm2_dir, "bfloat16")
+    model, tokenizer = load_weights(tiny_model, "float32")
     engine = HFEngine(model, tokenizer)
     prompt = tuple(tokenizer("Question: 2+2?\nAnswer:")["input_ids"])
     (rollout,) = engine.generate_rollouts([RolloutRequest("p", prompt, 1)], SamplingSettings(0.7, 1.0, 4),

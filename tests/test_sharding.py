@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
-from conftest import TINY, clone_run, planned_rules, snakemake
+from helpers import TINY, clone_run, planned_rules, snakemake
 
+from replaynoise.io import read_parquet, sha256_file
 from replaynoise.shards import batch_range, problem_range, shard_count, shard_index, shard_names
 
 #: Manifest paths that name a shard: the layout of the scattered intermediates, which a shard size must change
@@ -53,11 +55,27 @@ def results_by_content(results) -> dict[str, str]:
     return entries
 
 
-@pytest.mark.slow
+def test_one_shard_instead_of_two_gives_the_same_pass(tiny_run, tmp_path):
+    """The everyday tier's form of the test below: one pass's path, rollouts to credit."""
+    work = clone_run(tiny_run, tmp_path / "run")
+    one_shard = {**TINY, "resources": {**TINY["resources"], "shard_size": 3}}
+    snakemake(work, one_shard, "results/credit/tiny/exact.parquet")
+    for rel in ["rollouts/tiny/rollouts.parquet", "pivots/tiny.parquet", "passes/tiny/exact.parquet",
+                "credit/tiny/exact.parquet"]:
+        assert sha256_file(work / "results" / rel) == sha256_file(tiny_run / "results" / rel), rel
+    one = read_parquet(work / "results" / "passes/tiny/exact/000.parquet")  # the one shard holds every row
+    assert one.height == read_parquet(tiny_run / "results" / "passes/tiny/exact.parquet").height > 0
+    kv = {p.relative_to(work / "results" / "rollouts/tiny/kv/000").as_posix(): sha256_file(p)
+          for p in (work / "results" / "rollouts/tiny/kv/000").rglob("*.safetensors")}
+    before = {p.name: sha256_file(p) for p in (tiny_run / "results" / "rollouts/tiny/kv").rglob("*.safetensors")}
+    assert kv and {Path(k).name: v for k, v in kv.items()} == before
+
+
+@pytest.mark.slow  # the whole workflow again
 def test_changing_the_shard_size_changes_no_result(tiny_run, tmp_path):
     """Two shards (the tiny run) and one shard: every gathered table, KV file, figure and table is the same."""
     work = clone_run(tiny_run, tmp_path / "run")
-    one_shard = {**TINY, "resources": {"shard_size": 3}}
+    one_shard = {**TINY, "resources": {**TINY["resources"], "shard_size": 3}}
     rules = planned_rules(work, one_shard)
     assert {"generate_rollouts", "gather_rollouts", "replay_exact", "gather_pass"} <= rules
     assert not rules & {"prepare_model", "sample_problems"}, "a shard size must not redo sampling or the model"

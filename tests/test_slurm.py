@@ -14,7 +14,7 @@ import subprocess
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO, TINY, seed_model, snakemake
+from helpers import REPO, SMOLLM2, TINY, seed_model, snakemake
 
 SLURM_PROFILE = REPO / "profiles" / "slurm"
 #: The single-node cluster has no job accounting: job status comes from squeue (MinJobAge is 300 s there).
@@ -75,7 +75,7 @@ def sbatch_line(job: dict) -> str:
 def test_gpu_configurations_ask_slurm_for_gpus_per_model_job(tmp_path):
     """A model job asks for the GPUs it holds: none on a CPU, one for the HF engine, its tensor parallelism for
     vLLM (here 3 of the 3 that resources.gpus allows; SmolLM2's 9 heads split 3 ways)."""
-    tiny = TINY["configs"]["tiny"]
+    tiny = SMOLLM2
     config = {**TINY, "configs": {"tiny": {**tiny}, "tiny-gpu": {**tiny, "device": "cuda"},
                                   "tiny-tp": {**tiny, "device": "cuda", "engine": "vllm", "block_size": 16,
                                               "vllm": {"tensor_parallel_size": 3}}},
@@ -96,9 +96,9 @@ def test_gpu_configurations_ask_slurm_for_gpus_per_model_job(tmp_path):
     assert {j["resources"]["gpu"] for j in model_jobs} == {"0", "1", "3"}
 
 
-@pytest.mark.slow
-def test_the_tiny_workflow_through_slurm_gives_the_local_results(cluster, tiny_run, smollm2_dir, tmp_path):
-    seed_model(tmp_path, smollm2_dir)
+@pytest.mark.slow  # the whole workflow again, each model job through sbatch
+def test_the_tiny_workflow_through_slurm_gives_the_local_results(cluster, tiny_run, tiny_prepared, tmp_path):
+    seed_model(tmp_path, tiny_prepared)
     config = {**TINY, "resources": {**TINY["resources"], "mem_mb": 3000, "runtime": 20}}
     snakemake(tmp_path, config, "--profile", str(SLURM_PROFILE), *STATUS_FLAGS, "--slurm-keep-successful-logs")
     ours = (tmp_path / "results" / "MANIFEST.sha256").read_text()

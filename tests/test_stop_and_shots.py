@@ -12,8 +12,6 @@ from replaynoise.engines.base import ContinuationRequest, ContinuationResult, Sa
 from replaynoise.models import load_tokenizer, model_weights_dir, stop_token_ids
 from replaynoise.pivots import PivotRules
 
-pytestmark = pytest.mark.slow
-
 SHOTS = [{"question": "Tom has 7 apples. Tom gets 5 more apples. How many apples does Tom have now?",
           "answer": "7 + 5 = 12. The answer is 12."},
          {"question": "Ana has 9 pens. Ana gives away 4 pens. How many pens does Ana have left?",

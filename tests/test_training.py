@@ -7,7 +7,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import planned_rules, snakemake, with_setting
+from helpers import planned_rules, snakemake, with_setting
 from tinymodel import save_tiny_chat_model
 from transformers import TrainerCallback
 

@@ -32,9 +32,18 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content']
                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def save_tiny_chat_model(path, seed: int = 0):
+#: How far apart the ``close`` model's answer logits are (the scale of their context-dependent part).
+CLOSE_SPREAD = 2.0
+
+
+def save_tiny_chat_model(path, seed: int = 0, close: bool = False):
     """A local HF model directory as a user would give one: a random two-layer Llama in safetensors with a
-    byte-level BPE tokenizer that has a chat template. Seconds to make; no GGUF, no download."""
+    byte-level BPE tokenizer that has a chat template. Seconds to make; no GGUF, no download.
+
+    With ``close``, its answer tokens stay near-tied, their order set by the context: one hidden dimension of
+    every embedding is large, so the final norm keeps it large, and the output layer lifts all answers by it
+    alike. Then most positions are low-margin (pivots) and sampled continuations differ, as a workflow run's
+    mechanics need."""
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -59,6 +68,10 @@ def save_tiny_chat_model(path, seed: int = 0):
     with torch.no_grad():
         head = torch.zeros_like(model.lm_head.weight)
         head[answers] = torch.randn(len(answers), cfg.hidden_size)
+        if close:
+            model.model.embed_tokens.weight[:, 0] = 1.0
+            head[answers, 0] = 1.3
+            head[answers, 1:] *= CLOSE_SPREAD
         model.lm_head.weight.copy_(head)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

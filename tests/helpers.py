@@ -1,0 +1,112 @@
+"""What the tests share besides fixtures: the tiny workflow configurations and the ways to run, copy and change a
+run. The fixtures that make models and runs are in conftest.py."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = REPO / "resources" / "packages"  # pip-downloaded wheels, shared with the workflow's cache
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
+
+#: The tiny random model the workflow's mechanics run on (tests/tinymodel.py, ``close``): made once per machine
+#: and kept, at a path named by the code that makes it, so every run of a session (and of the next) sees one
+#: path, hence one model key.
+TINY_MODEL_DIR = (Path(tempfile.gettempdir()) / f"replaynoise-tests-{os.getuid()}" /
+                  f"tiny-close-{hashlib.sha256((REPO / 'tests' / 'tinymodel.py').read_bytes()).hexdigest()[:12]}")
+
+#: The workflow on a tiny configuration, shared by the workflow, interruption, sharding and bad-input tests.
+TINY = {
+    "seed": 11,
+    "dataset": {"source": "simple_addsub", "n_problems": 3},
+    "configs": {"tiny": {"model": str(TINY_MODEL_DIR), "dtype": "float32", "max_new_tokens": 24}},
+    "rollouts": {"batch_size": 1},  # one problem per batch: the kill tests land between a shard's batches
+    "pivots": {"max_margin": 0.3, "per_rollout": 2},
+    "replay": {"k": 2, "max_new_tokens": 12, "batch_size": 4, "passes": ["exact", "replica", "refeed", "selector"]},
+    "analysis": {"n_boot": 50, "min_eligible": 1},
+    # two shards (of about two batches each): every tiny run scatters and gathers; one thread a model job, so that
+    # two of them run at once on two cores
+    "resources": {"shard_size": 2, "threads": 1},
+}
+
+#: The same configuration on the packaged SmolLM2 (30 layers, bf16), for the claims about a real model's numbers.
+SMOLLM2 = {"model": "smollm2-135m", "dtype": "bfloat16", "max_new_tokens": 24}
+TINY_ON_SMOLLM2 = {**TINY, "configs": {"tiny": SMOLLM2}}
+SMOLLM2_KEY = "smollm2-135m-bfloat16"
+
+
+def snakemake_command(workdir: Path, config: dict, *args: str) -> list[str]:
+    """The command line for ``config`` (written beside the results) in ``workdir``, the committed config ignored."""
+    cfg = workdir / "test-config.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    return [*SNAKEMAKE, "--directory", str(workdir), "--cores", "2", "--configfile", str(cfg),
+            "--replace-workflow-config", *args]
+
+
+def snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(snakemake_command(workdir, config, *args), capture_output=True, text=True, timeout=1500)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def planned_rules(workdir: Path, config: dict, *targets: str) -> set[str]:
+    """The rules a dry run (of ``targets``, or of the default target) would execute."""
+    out = snakemake(workdir, config, *targets, "-n", "--quiet", "rules").stdout  # --quiet takes several values
+    rules = set()
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("job", "total"):
+            rules.add(parts[0])
+    return rules
+
+
+def copy_linking(src: Path, dest: Path, link: Callable[[Path], bool], **copytree_args) -> Path:
+    """Copy a tree, hard-linking the files for which ``link(path relative to dest)`` holds (a copy where the file
+    system refuses a link). Model weights are linked: no step writes into them (a rebuild replaces the directory
+    by a rename, which leaves other links alone), and at about 270 MB a copy they filled CI's disk. Whatever a
+    test may change in place must be copied, so the tree it came from stays as it was."""
+    def link_or_copy(s: str, d: str) -> None:
+        if link(Path(d).relative_to(dest)):
+            with contextlib.suppress(OSError):
+                os.link(s, d)
+                return
+        shutil.copy2(s, d)
+
+    shutil.copytree(src, dest, copy_function=link_or_copy, **copytree_args)
+    return dest
+
+
+def seed_model(workdir: Path, model_dir: Path) -> None:
+    """Reuse a session's prepared model (a directory named by its key; its preparation is tested by the fixture
+    that made it), hard-linked, so the run's prepare_model step has nothing to do."""
+    copy_linking(model_dir, workdir / "results" / "models" / model_dir.name, lambda path: True)
+
+
+def clone_run(run: Path, dest: Path) -> Path:
+    """A private copy of a finished run, to change or break; unlocked, its model files hard-linked."""
+    copy_linking(run, dest, lambda path: path.parts[:2] == ("results", "models"), symlinks=True)
+    shutil.rmtree(dest / ".snakemake" / "locks", ignore_errors=True)
+    return dest
+
+
+def with_setting(config: dict, path: str, value) -> dict:
+    """A copy of ``config`` with the key at dotted ``path`` set to ``value`` (its parents made as needed)."""
+    config = json.loads(json.dumps(config))
+    *parents, last = path.split(".")
+    node = config
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return config
