@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The reference/gpu campaign on a GPU machine (issue 14): each campaign file of config/campaigns/gpu/ runs in a
+# The reference/gpu campaign on a GPU machine: each campaign file of config/campaigns/gpu/ runs in a
 # working directory of its own under $WORK (a folder that outlives the session, with resources/ and its pinned
 # wheels in it; on a machine without network, copied there first), then what reference/gpu keeps is packed into
 # one tarball per file:

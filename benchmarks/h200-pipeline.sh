@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue-20 measurement on a GPU machine: the workflow's own rules, real packaged weights, wall time from
+# The H200 pipeline measurement on a GPU machine: the workflow's own rules, real packaged weights, wall time from
 # prepared models (or from nothing) to results/MANIFEST.sha256, then per-rule generated tokens/s and where each
 # loop's time went. Run it from the project's root where `snakemake` and the packages are on the path, with
 # $WORK a folder that outlives the session (on a machine without network, the wheels copied there first):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 33's measurement on a GPU machine: random-weight 7B-shape models made on the GPU, then the workflow's own
+# The 7B-scale measurement on a GPU machine: random-weight 7B-shape models made on the GPU, then the workflow's own
 # rules on benchmarks/configs/scale-7b.yaml, the HF engine and stock vLLM at the paper's settings first, vLLM at
 # its own H200 defaults (exact pass) last, one job on the GPU at a time; then the per-rule report. Run it from the
 # project's root with snakemake and the packages on the path, and vLLM for its columns (without vLLM, the HF

@@ -1,4 +1,4 @@
-"""Continuation throughput of the replay passes, side by side on the same requests (issue 8).
+"""Continuation throughput of the replay passes, side by side on the same requests.
 
 Not part of the test suite. Prints a table and writes JSON to benchmarks/out/.
 
@@ -148,9 +148,8 @@ def e2e_default(run_dir: Path) -> float:
     """Run the embedded default workflow in ``run_dir`` (packages linked, model prepared as part of the run)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     packages = REPO / "resources"
-    if not (run_dir / "resources").exists():
-        source = packages if packages.exists() else Path("/work/main/resources")
-        (run_dir / "resources").symlink_to(source.resolve())
+    if packages.exists() and not (run_dir / "resources").exists():  # the pinned wheels, not fetched again
+        (run_dir / "resources").symlink_to(packages.resolve())
     snakemake = Path(sys.executable).with_name("snakemake")
     start = time.perf_counter()
     subprocess.run([str(snakemake), "-s", str(REPO / "Snakefile"), "--directory", str(run_dir), "--cores", "all",

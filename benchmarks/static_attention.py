@@ -33,7 +33,7 @@ SHAPES = {
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)),
 }
-#: (model, rows, prefix): the issue-20 runs' batches (1,024 rows, mean prefix 90) and a longer context
+#: (model, rows, prefix): the H200 pipeline runs' batches (1,024 rows, mean prefix 90) and a longer context
 CASES = [("smollm2-135m", 1024, 90), ("smollm2-135m", 256, 90), ("qwen2.5-0.5b", 1024, 90), ("qwen2.5-0.5b", 256, 400)]
 ATTENTIONS = ("sdpa", "gemm")
 STEPS = 32

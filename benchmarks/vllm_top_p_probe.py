@@ -1,4 +1,4 @@
-"""Does vLLM's top-k/top-p filter draw a row's nucleus the same alone as among other rows? (issue 15)
+"""Does vLLM's top-k/top-p filter draw a row's nucleus the same alone as among other rows?
 
 vLLM 0.26 filters with a Triton kernel from 8 rows on and with a sort and ``torch.cumsum`` below 8
 (``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p``). For rows of logits from flat to peaked, this

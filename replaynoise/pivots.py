@@ -63,16 +63,13 @@ class PivotRules:
 
     @classmethod
     def from_config(cls, cfg: dict, block_size: int = 0) -> PivotRules:
-        """The rules of a ``pivots:`` config section; ``block_size`` is the configuration's block grid, used
-        when ``align_to_block`` is on."""
-        return cls(margin_metric=cfg.get("margin_metric", "prob_gap"), max_margin=cfg["max_margin"],
-                   per_rollout=cfg["per_rollout"], choose=cfg["choose"],
-                   substitute=cfg.get("substitute", "top2_other"),
-                   exclude_special=cfg.get("exclude_special", "top2"),
-                   exclude_answer_span=cfg.get("exclude_answer_span", True),
-                   min_position=cfg.get("min_position", 1), min_response_len=cfg.get("min_response_len", 0),
-                   block_size=block_size if cfg.get("align_to_block") else 0,
-                   block_offsets=tuple(cfg.get("block_offsets", (0,))))
+        """The rules of a validated ``pivots:`` config section (its defaults filled in once, from the schema);
+        ``block_size`` is the configuration's block grid, used when ``align_to_block`` is on."""
+        return cls(margin_metric=cfg["margin_metric"], max_margin=cfg["max_margin"],
+                   per_rollout=cfg["per_rollout"], choose=cfg["choose"], substitute=cfg["substitute"],
+                   exclude_special=cfg["exclude_special"], exclude_answer_span=cfg["exclude_answer_span"],
+                   min_position=cfg["min_position"], min_response_len=cfg["min_response_len"],
+                   block_size=block_size if cfg["align_to_block"] else 0, block_offsets=tuple(cfg["block_offsets"]))
 
 
 def margins(topk_logprobs: list[list[float]], metric: str = "prob_gap") -> list[float]:

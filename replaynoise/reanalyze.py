@@ -3,7 +3,7 @@
     python -m replaynoise.reanalyze FILE... [--out DIR] [--label NAME] [--k K]
     python -m replaynoise.reanalyze --table1 DIR [--out DIR]
 
-The paper (thaw-ai/thaw, ``benchmarks/results/*/*.json``; layout in shared/notes/paper-records-schema.md)
+The paper (thaw-ai/thaw, ``benchmarks/results/*/*.json``; Table 1's files are in tests/data/paper-records/)
 stores one record per pivot with the three estimates Â^exact1, Â^exact2, Â^refeed. This module is only an
 adapter: it maps the records to our credit frames (exact = A_exact1, replica = A_exact2, refeed = A_refeed;
 the problem is the cluster) and a per-pivot probe frame, and then calls the very ``compare_passes``,
@@ -44,7 +44,7 @@ PROBE_SUFFIXES = {"replica": "exact2", "refeed": "refeed"}
 REQUIRED_KEYS = ("problem_id", "rollout", "abs_pos", "margin", *PASS_KEYS.values())
 #: Lattice tolerance: the records' Â are means of 0/1 rewards, exact multiples of 1/K up to float rounding.
 LATTICE_EPS = 1e-9
-#: The paper's Table 1: row label and the files behind it (names of shared/data/paper-records/README.md).
+#: The paper's Table 1: row label and the files behind it (names of tests/data/paper-records/README.md).
 TABLE1_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Main pooled (t=.7, K=4)", ("c2-primary", "c2-screened")),
     ("K=8", ("c2-k8",)),
@@ -279,7 +279,7 @@ def table1_files(directory: str | Path) -> list[tuple[str, list[Path]]]:
         rows.append((label, paths))
     if missing:
         raise FileNotFoundError(f"{directory}: missing the paper's file(s) {missing} "
-                                "(names as in shared/data/paper-records/README.md)")
+                                "(names as in tests/data/paper-records/)")
     return rows
 
 

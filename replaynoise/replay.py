@@ -257,8 +257,7 @@ def graded_records(batch: list[ContinuationRequest], results: list, tokenizer, s
     end of the answer line) ends the answer there, whatever the engine samples after it."""
     records = []
     # The K draws of a branch often agree, and a problem has few distinct answers: each response is decoded
-    # and read once per batch, each (answer, gold) graded once. (On the H200 runs, whose short answers grade
-    # fast, the pass's grading stayed at 1.2-1.3 s.)
+    # and read once per batch, each (answer, gold) graded once.
     read: dict[tuple[int, ...], tuple[str, str | None]] = {}
     graded: dict[tuple[str | None, str], bool] = {}
     for req, res in zip(batch, results):

@@ -1,4 +1,4 @@
-"""Batched rollouts with decode-time KV capture (issue 20), on a tiny random Llama on the CPU.
+"""Batched rollouts with decode-time KV capture, on a tiny random Llama on the CPU.
 
 A batch-1 run and a batched run of the same rollouts differ in the last bits of float32 GEMMs (other kernel
 blockings), so the slicing of padded, batched KV is checked where they agree: in float64, whose rounding to

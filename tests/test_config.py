@@ -369,7 +369,7 @@ def test_snakemake_dry_run_follows_the_configured_passes(tmp_path):
     assert jobs["compute_credit"] == 4
 
 
-# --- issue 18: values the schema lets through ----------------------------------------------------------------
+# --- values the schema lets through ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("key, value", [("replay.k", 4.0), ("rollouts.per_problem", 8.0),
                                         ("configs.smollm2-bf16.max_new_tokens", 40.0)])

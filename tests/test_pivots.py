@@ -284,7 +284,7 @@ def test_select_pivots_does_not_change_its_input():
     assert frame.to_dicts() == before
 
 
-# --- the paper's rules (issue 13) ------------------------------------------------------------------------------
+# --- the paper's rules ----------------------------------------------------------------------------------------
 
 PAPER = dict(margin_metric="logprob_gap", substitute="best_other", exclude_special="substitute",
              exclude_answer_span=False, min_position=0)

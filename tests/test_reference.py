@@ -210,7 +210,7 @@ POOLED = sorted((GPU.parent).glob("**/analysis/pooled/comparison.json"))
 @pytest.mark.parametrize("pooled", POOLED, ids=lambda p: p.parents[2].relative_to(GPU.parent).as_posix())
 def test_no_committed_pooled_row_mixes_engines_or_kernels(pooled):
     """Every committed pooled analysis either pools configurations of one engine and one kernel mode, or says
-    it pooled none and gives no numbers (the audit of issue 38 found HF, stock and invariant pooled together)."""
+    it pooled none and gives no numbers (an audit found HF, stock and invariant pooled together)."""
     folder = pooled.parents[2]
     result = json.loads(pooled.read_text())
     settings = json.loads((folder / "provenance.json").read_text())["config"]["configs"]

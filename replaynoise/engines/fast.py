@@ -13,10 +13,10 @@ per-layer buffers [rows, kv_heads, length, head_dim] (rows left-padded to a comm
 (embedding, layers, head and Gumbel-max sampling) captured once as a CUDA graph and replayed, tokens kept on the
 GPU: no Python per layer, no logits transfer, no per-step synchronisation. The prefix KV is copied in once per
 batch, unmodified, so an exact pass still resumes from the verified decode-time state. On CUDA the passes' layer body
-(RMSNorm, projections, RoPE, attention, MLP, residuals) is compiled by inductor into a few fused kernels: at 512
-rows of a Qwen2.5-0.5B shape it cut the step from 7.7 to 5.4 ms on an H200 (about 600 small kernels per step
-were the second-largest cost). Eager and graph-replayed steps use the same compiled kernels, so they agree
-bitwise; on CPU the same functions run eagerly.
+(RMSNorm, projections, RoPE, attention, MLP, residuals) is compiled by inductor into a few fused kernels: unfused,
+a step's many small kernels (about 600 at 512 rows of a Qwen2.5-0.5B shape) are its second-largest cost. Eager
+and graph-replayed steps use the same compiled kernels, so they agree bitwise; on CPU the same functions run
+eagerly.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ class HFRollouts:
         rollouts = [self._rollout_of(req, *rec) for req, *rec in zip(requests, *host)]
         # Each row's KV stays a view of the decoder's buffer, which no other batch touches before the rows are
         # stored: storing copies to the host only the positions a row's pivots need (``keep_len``), a fifth of the
-        # buffer at the 7B shape, where a copy of the whole buffer to pageable memory took 1.4 s of a 9.4 s loop.
+        # buffer at the 7B shape, since copying the whole buffer to pageable host memory is slow at that size.
         return [(r, decoder.kv[:, :, row:row + 1, :, longest - len(r.prompt_ids):longest + len(r.response_ids) - 1])
                 for row, r in enumerate(rollouts)]
 

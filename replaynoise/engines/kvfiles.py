@@ -42,8 +42,8 @@ def save_kv(layers: KVLayers | torch.Tensor, keep: int, path: Path, ids: list[in
     ``layers``: per-layer (k, v), or one stacked tensor [layers, 2, 1, kv_heads, positions, head_dim]. The file
     is safetensors with one tensor per layer and kind (``k.0``, ``v.0``, ``k.1``, ...), its data laid out layer
     after layer, so that the whole cache is one contiguous block: written from one copy of the row, and read
-    back as one view (``parse_kv``) instead of a copy per tensor and another to stack them (at 500 rollouts of
-    SmolLM2, storing took 3.5-4.5 s of a 7-8 s rollout loop on an H200 with a copy per tensor)."""
+    back as one view (``parse_kv``) instead of a copy per tensor and another to stack them (with a copy per
+    tensor, storing is a large share of a small model's rollout loop)."""
     stacked = layers if isinstance(layers, torch.Tensor) else stack_layers([(k[..., :keep, :], v[..., :keep, :])
                                                                            for k, v in layers])
     if stacked is not None:

@@ -115,10 +115,9 @@ class StoredKV:
         ``whole``: the states' KV as one left-padded tensor [layers, 2, rows, kv_heads, longest, head_dim], row i
         state i, padding zero (a batched prefill). Then the stored KV is laid out alike, ``DRIFT_ROWS`` rows at a
         time, and compared in three kernels per chunk instead of five per state: a re-feed pass measures every
-        pivot of every batch (about 690 per batch of 1,024 rows), and the kernels per state cost about 50 ms of
-        host time per batch on an H200 (benchmarks/results/h200-profile-b1024-refeed.txt). The pass was no
-        shorter for it there (the GPU is busy through the prefills, h200-profile-b1024-refeed-e.txt); the host
-        time is saved where the GPU is not the bound."""
+        pivot of every batch (about 690 per batch of 1,024 rows), and kernels per state would add host time to
+        every batch. That time is saved where the GPU is not the bound; where the GPU is busy through the
+        prefills, it is hidden behind them."""
         stored = [self._stored_prefix(req, state) for req, state in zip(requests, states)]
         diffs: list[torch.Tensor | None] = [None] * len(states)
         if whole is None:

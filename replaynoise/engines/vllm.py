@@ -124,8 +124,8 @@ def row_invariant_top_k_top_p(triton_top_k_top_p):
     ``torch.cumsum`` over the vocabulary (``topk_topp_sampler.apply_top_k_top_p``), which a single row sends
     through another scan (cub's) as well. The two draw the nucleus' edge differently, so a request sampled in
     the last steps of a ``generate`` call, when fewer than 8 requests are left, can draw another token than it
-    would in a fuller step: one continuation of 4,424 on the H200 differed so, from token 30 on, with every
-    first-step log-prob equal. The kernel handles each row alone in one program, the same for any number of rows."""
+    would in a fuller step, with every first-step log-prob equal (docs/vllm.md). The kernel handles each row alone
+    in one program, the same for any number of rows."""
     def apply(logits, k, p):
         if k is None and p is None:
             return logits
