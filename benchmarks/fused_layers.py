@@ -19,13 +19,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.replay_throughput import qwen25_05b  # noqa: E402
-from replaynoise.engines.fast import StaticDecoder, _attend, _layer_in, _layer_out  # noqa: E402
+from replaynoise.engines.kernels import attend, layer_in, layer_out  # noqa: E402
+from replaynoise.engines.static import StaticDecoder  # noqa: E402
 
 
 def bench(model, rows: int, prefix: int, steps: int, fused: bool) -> tuple[dict, torch.Tensor]:
     decoder = StaticDecoder(model, rows, prefix + steps + 1, graphs=True, attention="gemm")
     if not fused:
-        decoder.layer_in, decoder.attend, decoder.layer_out = _layer_in, _attend, _layer_out
+        decoder.layer_in, decoder.attend, decoder.layer_out = layer_in, attend, layer_out
     shape = (1, decoder.n_kv, prefix, decoder.head_dim)
     state = [[(torch.randn(shape, device="cuda", dtype=torch.bfloat16),
                torch.randn(shape, device="cuda", dtype=torch.bfloat16)) for _ in model.model.layers]]

@@ -25,7 +25,7 @@ import torch
 from benchmarks.profile_pass import measured
 from replaynoise.engines import sampling
 
-#: the two samplers a static decoder captures: eager decoders sort, compiled ones bisect (``engines.fast``)
+#: the two samplers a static decoder captures: eager decoders sort, compiled ones bisect (``engines.kernels``)
 eager_sort = functools.partial(sampling.sample_rows, exhaustive=True, nucleus=sampling.nucleus_by_sorting)
 bisecting = functools.partial(sampling.sample_rows, exhaustive=True, nucleus=sampling.nucleus_by_bisection)
 

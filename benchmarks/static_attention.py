@@ -21,8 +21,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from replaynoise.engines.fast import StaticDecoder  # noqa: E402
 from replaynoise.engines.states import bucket  # noqa: E402
+from replaynoise.engines.static import StaticDecoder  # noqa: E402
 
 #: the configurations of the packaged models (their config.json), as (class, config)
 SHAPES = {

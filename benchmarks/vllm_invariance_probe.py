@@ -11,7 +11,7 @@ each (the attention backend and kernels are fixed at engine start):
 
 ``--matmul cublaslt`` is vLLM 0.26's own Hopper path (cuBLASLt without split-K); ``--matmul triton`` sends
 mm/addmm/matmul/linear through vLLM's Triton persistent matmul as vLLM does on SM80 only. ``--rms-norm row``
-is the engine's replacement of vLLM's add-RMSNorm (replaynoise.engines.vllm.row_invariant_add_rms_norm),
+is the engine's replacement of vLLM's add-RMSNorm (replaynoise.engines.vllm_build.row_invariant_add_rms_norm),
 ``--rms-norm vllm`` vLLM's own. ``--kernels stock`` runs without VLLM_BATCH_INVARIANT, for comparison.
 Results of the H200: benchmarks/results/h200-vllm-probe/.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from replaynoise.engines import vllm as engine_vllm
+from replaynoise.engines import vllm_build as engine_vllm
 from replaynoise.models import prepare_model
 
 NAMES = ["Tom", "Ana", "Lee", "Mia", "Raj", "Zoe", "Ben", "Ivy"]

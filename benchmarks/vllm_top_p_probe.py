@@ -4,7 +4,7 @@ vLLM 0.26 filters with a Triton kernel from 8 rows on and with a sort and ``torc
 (``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p``). For rows of logits from flat to peaked, this
 counts the rows whose kept set differs between the row filtered alone (as in a step with one request left) and
 filtered among 64 rows, by vLLM's own filter and by the engine's replacement
-(``replaynoise.engines.vllm.row_invariant_top_k_top_p``), and prints one JSON line:
+(``replaynoise.engines.vllm_build.row_invariant_top_k_top_p``), and prints one JSON line:
 
     PYTHONPATH=. python benchmarks/vllm_top_p_probe.py [--rows 512] [--vocab 49152] [--top-p 0.95]
 
@@ -19,7 +19,7 @@ import json
 import torch
 from vllm.v1.sample.ops import topk_topp_sampler
 
-from replaynoise.engines.vllm import row_invariant_top_k_top_p
+from replaynoise.engines.vllm_build import row_invariant_top_k_top_p
 
 BATCH = 64
 

@@ -6,8 +6,6 @@ Validation happens at parse time, before any job runs, so a bad value fails by n
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -405,51 +403,11 @@ def tensor_parallel_size(settings: dict) -> int:
     return (settings.get("vllm") or {}).get("tensor_parallel_size", 1)
 
 
-def job_gpus(settings: dict) -> int:
-    """GPUs a model job of a configuration holds: its tensor parallelism on cuda, none on a CPU."""
-    return tensor_parallel_size(settings) if settings["device"].startswith("cuda") else 0
-
-
 def _plain(name: str) -> bool:
     try:
         return pass_spec(name).source.plain
     except ValueError:
         return True  # an unknown name is refused by _check_passes, by name
-
-
-def platform_problems(config: dict, *, conda: bool = False, dev: Path = Path("/dev")) -> list[str]:
-    """What this machine lacks for the configurations (vLLM for engine vllm, unless conda builds its env; a GPU
-    for device cuda), each naming its key: checked before the first job, which would fail on it after seconds
-    to minutes with a raw traceback. Only for jobs that run here, not on a cluster's nodes."""
-    problems = []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = len(list(dev.glob("nvidia[0-9]*")))
-    if visible is not None:
-        gpus = min(gpus, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
-    other_gpu = (dev / "dxg").exists() or (dev / "kfd").exists()  # WSL2's and ROCm's devices
-    for name, settings in sorted(config["configs"].items()):
-        if settings["engine"] == "vllm" and not conda and importlib.util.find_spec("vllm") is None:
-            problems.append(f"config key configs.{name}.engine: 'vllm', but vLLM is not installed for this "
-                            "interpreter; install it (bash install.sh --vllm) and run its snakemake "
-                            "(.venv-vllm/bin/snakemake), or run with --use-conda")
-        device = settings["device"]
-        if device.startswith("cuda") and not other_gpu:
-            index = int(device.split(":")[1]) if ":" in device else 0
-            if index >= gpus:
-                problems.append(f"config key configs.{name}.device: {device!r}, but this machine shows "
-                                f"{gpus} NVIDIA GPU(s) (/dev/nvidia*, CUDA_VISIBLE_DEVICES={visible}); use "
-                                "device: cpu, or run where the GPU is")
-    return problems
-
-
-def overlay_adds_default_configs(overlays: list[dict]) -> list[str]:
-    """The default configuration names an overlay run also runs: Snakemake merges an overlay's ``configs`` into
-    those of config/config.yaml unless --replace-workflow-config is given."""
-    named = {name for overlay in overlays for name in (overlay or {}).get("configs", {}) or {}}
-    if not named:
-        return []
-    defaults = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text()).get("configs", {})
-    return sorted(set(defaults) - named)
 
 
 def protocol_settings(config: dict) -> dict:

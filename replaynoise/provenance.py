@@ -170,7 +170,7 @@ def install_mode() -> str:
 
 
 #: Environment variables a run's numbers depend on: the static decoder's attention kernel
-#: (replaynoise.engines.fast.STATIC_ATTENTION_VARIABLE, read where torch is; named here so the record needs none).
+#: (replaynoise.engines.kernels.STATIC_ATTENTION_VARIABLE, read where torch is; named here so the record needs none).
 RECORDED_VARIABLES = ("REPLAYNOISE_STATIC_ATTENTION",)
 
 

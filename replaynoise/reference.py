@@ -36,9 +36,10 @@ from pathlib import Path
 import polars as pl
 
 from replaynoise import control_report, figures, plan
-from replaynoise.analysis import compare_passes, comparison_settings, pooled_comparison
+from replaynoise.analysis import compare_passes, comparison_settings
 from replaynoise.config import analysis_hash
 from replaynoise.io import read_json, read_parquet, sha256_file, write_json
+from replaynoise.pooling import pooled_comparison
 from replaynoise.tables import headline_rows, mismatch_lines, write_headline_tables
 
 #: How far a rebuilt number may move from the committed one and still be the same result (last-bit drift of

@@ -9,17 +9,10 @@ import polars as pl
 import pytest
 from scipy import stats
 
-from replaynoise.analysis import (
-    CONDITIONINGS,
-    POOLED_PROBE_REASON,
-    compare_passes,
-    pool_credit,
-    pooled_comparison,
-    too_few_note,
-    wide_frame,
-)
+from replaynoise.analysis import CONDITIONINGS, compare_passes, too_few_note, wide_frame
 from replaynoise.channels import assert_all_identical, channel_agreement, lists_bitwise_equal
 from replaynoise.credit import CREDIT_COLUMNS, compute_credit
+from replaynoise.pooling import POOLED_PROBE_REASON, pool_credit, pooled_comparison
 from replaynoise.stats import (
     Clusters,
     classify_changes,

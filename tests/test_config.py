@@ -19,11 +19,11 @@ from replaynoise.config import (
     analysis_hash,
     check_config_file,
     deviations,
-    job_gpus,
     load_schema,
     validate_config,
 )
-from replaynoise.engines.vllm import invariant_llm_kwargs, llm_kwargs
+from replaynoise.engines.vllm_build import invariant_llm_kwargs, llm_kwargs
+from replaynoise.machine import job_gpus
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"

@@ -102,7 +102,7 @@ def test_static_decode_replays_its_graph_bitwise_and_matches_the_eager_step(mode
 
 
 def test_noise_is_the_same_on_gpu_and_cpu_and_compiled():
-    from replaynoise.engines.fast import _compiled_sampler
+    from replaynoise.engines.kernels import compiled_sampler
     from replaynoise.engines.sampling import gumbel, row_keys, sample_rows
 
     seeds = torch.tensor([1, 2**62 + 5, 12345, 0], dtype=torch.int64)
@@ -114,7 +114,7 @@ def test_noise_is_the_same_on_gpu_and_cpu_and_compiled():
     for top_p in (1.0, 0.9):
         on_cpu = sample_rows(logits, seeds, steps, 0.7, top_p)
         on_gpu = sample_rows(logits.cuda(), seeds.cuda(), steps.cuda(), 0.7, top_p, exhaustive=True).cpu()
-        compiled = _compiled_sampler()(logits.cuda(), seeds.cuda(), steps.cuda(), 0.7, top_p).cpu()
+        compiled = compiled_sampler()(logits.cuda(), seeds.cuda(), steps.cuda(), 0.7, top_p).cpu()
         assert torch.equal(on_cpu, on_gpu) and torch.equal(on_gpu, compiled)
 
 

@@ -369,7 +369,9 @@ def test_static_layer_functions_match_the_layer_modules_bitwise_with_fp32_matmul
     compute, including the float32 GEMMs that cpu_matmul: fp32 swaps in for bf16 linear layers."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from replaynoise.engines.fast import StaticDecoder, _layer_in, _layer_out, _linear, use_fp32_matmul
+    from replaynoise.engines.cpu_matmul import use_fp32_matmul
+    from replaynoise.engines.kernels import layer_in, layer_out, linear
+    from replaynoise.engines.static import StaticDecoder
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -385,12 +387,12 @@ def test_static_layer_functions_match_the_layer_modules_bitwise_with_fp32_matmul
         x = layer.input_layernorm(h)
         ones = torch.ones(rows, 1, 1, dim, dtype=torch.bfloat16)
         zeros = torch.zeros(rows, 1, 1, dim, dtype=torch.bfloat16)
-        q, k, v = _layer_in(h, ones, zeros, *w_in, eps, fp32, rows, heads, kv_heads, dim)  # RoPE at angle 0
+        q, k, v = layer_in(h, ones, zeros, *w_in, eps, fp32, rows, heads, kv_heads, dim)  # RoPE at angle 0
         assert torch.equal(q, layer.self_attn.q_proj(x).view(rows, 1, heads, dim).transpose(1, 2))
         assert torch.equal(v, layer.self_attn.v_proj(x).view(rows, 1, kv_heads, dim).transpose(1, 2))
         o = torch.randn(rows, kv_heads, heads // kv_heads, dim).to(torch.bfloat16)
         mid = h + layer.self_attn.o_proj(o.reshape(rows, 1, heads * dim))
         expected = mid + layer.mlp(layer.post_attention_layernorm(mid))
-        assert torch.equal(_layer_out(h, o, *w_out, eps, fp32, rows, heads * dim), expected)
+        assert torch.equal(layer_out(h, o, *w_out, eps, fp32, rows, heads * dim), expected)
         plain = torch.nn.Linear(64, 8).to(torch.bfloat16)
-        assert torch.equal(_linear(x, plain.weight, plain.bias, False), plain(x))
+        assert torch.equal(linear(x, plain.weight, plain.bias, False), plain(x))

@@ -22,16 +22,11 @@ from helpers import REPO, SNAKEMAKE, TINY, clone_run, planned_rules, seed_model,
 
 from replaynoise import io as rio
 from replaynoise import models, reanalyze, reference, replay, rollouts
-from replaynoise.config import (
-    ConfigError,
-    analysis_hash,
-    overlay_adds_default_configs,
-    platform_problems,
-    validate_config,
-)
+from replaynoise.config import ConfigError, analysis_hash, validate_config
 from replaynoise.datasets import load_problems, read_problems
 from replaynoise.engines.base import ContinuationResult, Rollout, SamplingSettings
 from replaynoise.io import file_in, intact_scratch, read_json, sha256_file
+from replaynoise.machine import overlay_adds_default_configs, platform_problems
 from replaynoise.pivots import PivotRules
 from replaynoise.progress import Phases
 from replaynoise.provenance import input_checksums, verify_inputs

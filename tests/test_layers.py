@@ -18,17 +18,20 @@ LAYERS = [
     ["packages", "plan", "grading", "prompts", "training_log", "pivots", "credit", "cost", "channels",
      "engines.sampling", "engines.base"],
     ["datasets"],
-    ["models", "engines.kvfiles", "engines.fast", "engines.vllm"],
+    ["models", "engines.kvfiles", "engines.cpu_matmul", "engines.kernels", "engines.vllm", "engines.vllm_build"],
+    ["engines.static"],
     ["engines.states"],
     ["engines.hf_rollouts"],
     ["engines.hf", "config", "rollouts", "replay", "analysis", "controls", "training"],
-    ["engines", "tables", "figures", "provenance", "mismatch"],
+    ["machine"],
+    ["engines", "tables", "figures", "provenance", "mismatch", "pooling"],
     ["control_report", "cross", "training_report"],
     ["reference", "reanalyze"],
 ]
 #: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when
 #: chosen, so that importing the engine interface (the passes, the analysis) never loads torch or vLLM.
-LAZY = {("engines", "engines.hf"), ("engines", "engines.vllm"), ("engines", "models")}
+LAZY = {("engines", "engines.hf"), ("engines", "engines.vllm"), ("engines", "engines.vllm_build"),
+        ("engines", "models")}
 
 
 def module_name(path: Path) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from helpers import TINY, clone_run, snakemake
+from helpers import TINY_ON_SMOLLM2, clone_run, snakemake
 from tinymodel import VOCAB, Tokenizer, tiny_llama
 
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
@@ -226,15 +226,14 @@ def test_a_scorer_sets_its_prefill_against_the_rollouts_engine_once_per_pivot(mo
     assert not summary["metrics"]["zero"] and 0 < summary["metrics"]["k3_kl"] < 0.05
 
 
-@pytest.mark.slow  # a second configuration's model jobs on a finished run
-def test_the_workflow_scores_one_configurations_pivots_with_anothers_engine(tiny_run, tmp_path):
-    """A finished run gains a second configuration of its model (its CPU matmuls native, not fp32) and a cross
-    pair: the scorer's one job reads the first configuration's rollouts and pivots and nothing of theirs reruns."""
-    run = clone_run(tiny_run, tmp_path / "run")
-    native = {**TINY["configs"]["tiny"], "cpu_matmul": "native"}
+def test_the_workflow_scores_one_configurations_pivots_with_anothers_engine(smollm2_run, tmp_path):
+    """A finished SmolLM2 run gains a second configuration of its model (its CPU matmuls in bf16, not fp32) and a
+    cross pair: the scorer's one job reads the first configuration's rollouts and pivots and nothing of theirs reruns."""
+    run = clone_run(smollm2_run, tmp_path / "run")
+    native = {**TINY_ON_SMOLLM2["configs"]["tiny"], "cpu_matmul": "native"}
     pair = {"rollouts": "tiny", "scorer": "tiny-native"}
-    config = {**TINY, "configs": {**TINY["configs"], "tiny-native": native},
-              "analysis": {**TINY.get("analysis", {}), "cross_scoring": [pair]}}
+    config = {**TINY_ON_SMOLLM2, "configs": {**TINY_ON_SMOLLM2["configs"], "tiny-native": native},
+              "analysis": {**TINY_ON_SMOLLM2["analysis"], "cross_scoring": [pair]}}
     before = (run / "results" / "rollouts" / "tiny" / "rollouts.parquet").stat().st_mtime_ns
     proc = snakemake(run, config, "results/cross/tiny/tiny-native.json")
     jobs = proc.stdout + proc.stderr  # the plan's table of jobs, on stderr

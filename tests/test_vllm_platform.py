@@ -8,7 +8,7 @@ import yaml
 
 from replaynoise.config import DEFAULT_CONFIG_PATH, ConfigError, validate_config
 from replaynoise.engines import make_engine
-from replaynoise.engines.vllm import (
+from replaynoise.engines.vllm_build import (
     GPU_HEADROOM_GIB,
     PlatformError,
     check_invariant_platform,

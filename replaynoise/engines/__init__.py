@@ -40,7 +40,8 @@ def make_engine(settings: dict, model_dir: Path, *, topk: int, threads: int) -> 
                                  if key in settings})
     elif settings["engine"] == "vllm":
         with startup("imports"):
-            from replaynoise.engines.vllm import VLLMEngine, build_llm, check_invariant_platform
+            from replaynoise.engines.vllm import VLLMEngine
+            from replaynoise.engines.vllm_build import build_llm, check_invariant_platform
             from replaynoise.models import eos_ids, load_tokenizer, model_weights_dir, stop_token_ids
 
         if settings["kernels"] == "invariant":

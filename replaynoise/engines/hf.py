@@ -28,14 +28,9 @@ from replaynoise.engines.base import (
     VerificationError,
     scored_from,
 )
-from replaynoise.engines.fast import (
-    AlignedDecoder,
-    StaticDecoder,
-    static_attention,
-    static_decode_supported,
-    use_fp32_matmul,
-)
+from replaynoise.engines.cpu_matmul import use_fp32_matmul
 from replaynoise.engines.hf_rollouts import HFRollouts
+from replaynoise.engines.kernels import static_attention, static_decode_supported
 from replaynoise.engines.kvfiles import stack_layers
 from replaynoise.engines.sampling import (
     digest_rows,
@@ -54,6 +49,7 @@ from replaynoise.engines.states import (
     row_bucket,
     transplant,
 )
+from replaynoise.engines.static import AlignedDecoder, StaticDecoder
 from replaynoise.models import eos_token_ids
 from replaynoise.passes import as_source
 from replaynoise.progress import Phases

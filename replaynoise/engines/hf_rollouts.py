@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from replaynoise.engines.base import KeepLen, Rollout, RolloutRequest, SamplingSettings
-from replaynoise.engines.fast import StaticDecoder
 from replaynoise.engines.kvfiles import KVLayers, save_kv, stack_layers
 from replaynoise.engines.sampling import (
     RowSampler,
@@ -26,6 +25,7 @@ from replaynoise.engines.sampling import (
     topk_of,
 )
 from replaynoise.engines.states import IO_THREADS, bucket, cache_layers
+from replaynoise.engines.static import StaticDecoder
 from replaynoise.io import file_in
 
 

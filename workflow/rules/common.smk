@@ -13,12 +13,10 @@ from replaynoise.config import (  # noqa: E402
     ConfigError,
     analysis_hash,
     check_config_file,
-    job_gpus,
-    overlay_adds_default_configs,
-    platform_problems,
     validate_config,
 )
 from replaynoise.datasets import check_n_problems  # noqa: E402
+from replaynoise.machine import job_gpus, overlay_adds_default_configs, platform_problems  # noqa: E402
 from replaynoise.models import model_source_files, prepared_model_key  # noqa: E402
 from replaynoise.passes import pass_spec  # noqa: E402
 from replaynoise.plan import (  # noqa: E402
@@ -200,7 +198,7 @@ def work_dir(config_name, step, shard):
 
 def comparison_file(config_name):
     """One configuration's statistics, or the pooled ones (``config_name`` "pooled"; a run whose configurations
-    differ in engine or kernels writes there why it pooled none, replaynoise.analysis.pooled_comparison)."""
+    differ in engine or kernels writes there why it pooled none, replaynoise.pooling.pooled_comparison)."""
     return f"results/analysis/{config_name}/comparison.json"
 
 

@@ -5,9 +5,9 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parents[1]))
 from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
-from replaynoise.analysis import pooled_comparison  # noqa: E402
 from replaynoise.credit import read_credit_grid  # noqa: E402
 from replaynoise.io import write_json  # noqa: E402
+from replaynoise.pooling import pooled_comparison  # noqa: E402
 
 p = snakemake.params
 credits = read_credit_grid(list(snakemake.input.credit), p.configs, p.passes)

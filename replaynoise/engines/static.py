@@ -1,212 +1,32 @@
-"""Speed without changing what a pass means: fp32 GEMMs for bf16 models on CPU, and a static-cache decode with
-CUDA graphs and on-device sampling for GPUs.
-
-``use_fp32_matmul``: PyTorch's CPU bf16 GEMM runs at about 15 GFLOP/s on a CPU without AVX512-BF16/AMX whatever
-the batch (measured on the 2-core test machine), while its fp32 GEMM reaches 80-90 GFLOP/s from 32 rows on. Linear
-layers then compute the bf16 inputs and weights in float32 and round the output to bf16: fp32 accumulation, as
-GPU tensor cores do. The numbers differ from the native bf16 kernel's in the last bit of about 1e-4 of outputs;
-every step of a configuration (rollout, verification probe, every pass) uses the same kernels, so exact resume
-stays bitwise.
-
-``StaticDecoder``: the continuation decode of a Llama/Qwen2-family model with the KV of all rows in preallocated
-per-layer buffers [rows, kv_heads, length, head_dim] (rows left-padded to a common write position), the step
-(embedding, layers, head and Gumbel-max sampling) captured once as a CUDA graph and replayed, tokens kept on the
-GPU: no Python per layer, no logits transfer, no per-step synchronisation. The prefix KV is copied in once per
-batch, unmodified, so an exact pass still resumes from the verified decode-time state. On CUDA the passes' layer body
-(RMSNorm, projections, RoPE, attention, MLP, residuals) is compiled by inductor into a few fused kernels: unfused,
-a step's many small kernels (about 600 at 512 rows of a Qwen2.5-0.5B shape) are its second-largest cost. Eager
-and graph-replayed steps use the same compiled kernels, so they agree bitwise; on CPU the same functions run
-eagerly.
+"""The static-cache decode for GPUs: continuation rows of a Llama/Qwen2-family model with the KV of all rows in
+preallocated per-layer buffers [rows, kv_heads, length, head_dim] (rows left-padded to a common write position),
+the step (embedding, layers, head and Gumbel-max sampling) captured once as a CUDA graph and replayed, tokens
+kept on the GPU: no Python per layer, no logits transfer, no per-step synchronisation. The prefix KV is copied in
+once per batch, unmodified, so an exact pass still resumes from the verified decode-time state. Its step is made
+of ``engines.kernels``; ``AlignedDecoder`` is its batch-invariant form.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from replaynoise.engines.sampling import logprob_rows, nucleus_by_bisection, sample_rows, token_logprob_of
+from replaynoise.engines.cpu_matmul import Fp32Linear
+from replaynoise.engines.kernels import (
+    INVARIANT_ATTENTION,
+    STATIC_ATTENTION,
+    compiled_sampler,
+    eager_sampler,
+    layer_functions,
+)
+from replaynoise.engines.sampling import logprob_rows, token_logprob_of
 
 log = logging.getLogger(__name__)
-
-# --------------------------------------------------------------------------------------------- CPU matmuls
-#: The static decoder's attention: ``sdpa`` (PyTorch picks the kernel: cuDNN's on an H200), ``efficient`` (its
-#: memory-efficient kernel) or ``gemm`` (two batched GEMMs and a float32 softmax over the cache, compiled with the
-#: layer body on CUDA). ``gemm`` is the stock decoders' default: a decode step's attention reads each row's cache
-#: once, and cuDNN's kernel took longer for it at every shape measured on an H200, 0-25% of the whole step
-#: (benchmarks/static_attention.py, benchmarks/results/h200-static-attention.json). The invariant decoder keeps
-#: ``sdpa``, with which its bitwise identity across passes was verified on the H200 (reference/gpu).
-#: ``REPLAYNOISE_STATIC_ATTENTION`` overrides both for a run (a tuning knob; provenance.json records it).
-STATIC_ATTENTIONS = ("sdpa", "efficient", "gemm")
-STATIC_ATTENTION = "gemm"
-INVARIANT_ATTENTION = "sdpa"
-STATIC_ATTENTION_VARIABLE = "REPLAYNOISE_STATIC_ATTENTION"
-
-
-def static_attention(invariant: bool = False) -> str:
-    """The attention this process's static decoders use (the invariant decoder's, with ``invariant``): the
-    default, or the variable's value."""
-    value = os.environ.get(STATIC_ATTENTION_VARIABLE, INVARIANT_ATTENTION if invariant else STATIC_ATTENTION)
-    if value not in STATIC_ATTENTIONS:
-        raise ValueError(f"{STATIC_ATTENTION_VARIABLE}={value!r}: expected one of {STATIC_ATTENTIONS}")
-    return value
-
-
-class _Fp32Linear(torch.nn.Module):
-    """A bf16/fp16 linear layer computed as a float32 GEMM (weights upcast once), output in the input's dtype."""
-
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        self.inner = linear  # keeps the original parameters (state_dict, tied weights) untouched
-        self.register_buffer("weight32", linear.weight.detach().float(), persistent=False)
-        bias = linear.bias
-        self.register_buffer("bias32", None if bias is None else bias.detach().float(), persistent=False)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.inner.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
-
-
-def use_fp32_matmul(model: torch.nn.Module) -> int:
-    """Swap every half-precision ``nn.Linear`` of ``model`` for its fp32-GEMM form; returns how many. The layers
-    already swapped keep their original inside (``inner``), which is skipped: two engines on one model (the
-    precision controls build a second) would otherwise wrap it again, each time with another fp32 weight copy."""
-    swaps = [(parent, name, child) for parent in model.modules() if not isinstance(parent, _Fp32Linear)
-             for name, child in parent.named_children()
-             if type(child) is torch.nn.Linear and child.weight.dtype in (torch.bfloat16, torch.float16)]
-    for parent, name, child in swaps:
-        setattr(parent, name, _Fp32Linear(child))
-    return len(swaps)
-
-
-# --------------------------------------------------------------------------------------------- GPU decode
-def static_decode_supported(model) -> bool:
-    """Llama/Qwen2/Mistral-shaped decoders: full attention everywhere, no q/k norms, standard RoPE module."""
-    inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "norm", "rotary_emb")):
-        return False
-    if getattr(model.config, "model_type", None) not in ("llama", "qwen2", "mistral"):
-        return False
-    if any(t != "full_attention" for t in (getattr(model.config, "layer_types", None) or [])):
-        return False
-    if getattr(model.config, "hidden_act", None) != "silu":
-        return False
-    layer = inner.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    return (all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"))
-            and all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj"))
-            and hasattr(layer.input_layernorm, "variance_epsilon"))
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Llama/Qwen2 RMSNorm: normalise in float32, round to the input dtype, then scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp32: bool) -> torch.Tensor:
-    """A linear layer; ``fp32``: the float32 GEMM of ``_Fp32Linear`` (weights already float32)."""
-    return F.linear(x.float(), weight, bias).to(x.dtype) if fp32 else F.linear(x, weight, bias)
-
-
-def _layer_in(h, cos, sin, ln, qw, qb, kw, kb, vw, vb, eps: float, fp32: bool, rows: int, heads: int,
-              kv_heads: int, dim: int):
-    """Input norm, q/k/v projections and RoPE of one decoder layer for one new token per row."""
-    x = _rms(h, ln, eps)
-    q = _linear(x, qw, qb, fp32).view(rows, 1, heads, dim).transpose(1, 2)
-    k = _linear(x, kw, kb, fp32).view(rows, 1, kv_heads, dim).transpose(1, 2)
-    v = _linear(x, vw, vb, fp32).view(rows, 1, kv_heads, dim).transpose(1, 2)
-    return _rotate(q, cos, sin).to(v.dtype), _rotate(k, cos, sin).to(v.dtype), v
-
-
-def _attend(q, keys, values, mask, scaling: float, rows: int, kv_heads: int, group: int, dim: int):
-    """Grouped-query attention of one new token: the query heads of a KV head are its "query positions"; two
-    batched GEMMs and a float32 softmax, memory-bound reads of K and V, no mask expansion."""
-    q = q.reshape(rows, kv_heads, group, dim)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scaling
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
-
-
-def _layer_out(h, o, ow, ob, ln, gw, gb, uw, ub, dw, db, eps: float, fp32: bool, rows: int, width: int):
-    """Output projection, residual, post-attention norm, SiLU-gated MLP and residual of one decoder layer."""
-    h = h + _linear(o.reshape(rows, 1, width), ow, ob, fp32)
-    x = _rms(h, ln, eps)
-    return h + _linear(F.silu(_linear(x, gw, gb, fp32)) * _linear(x, uw, ub, fp32), dw, db, fp32)
-
-
-def _compiled(fn):
-    """``fn`` compiled by inductor for fixed shapes; where compilation fails, the eager ``fn`` (same math) from
-    then on, for those non-tensor arguments (a sampler's temperature and top_p) only: which kernels a call uses
-    then depends on its own arguments, never on which calls this process happened to make before.
-    ``.eager`` holds the argument sets that fell back."""
-    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-
-    def run(*args):
-        key = tuple(a for a in args if not isinstance(a, torch.Tensor))
-        if key in run.eager:
-            return fn(*args)
-        # only eager steps call this (a captured graph replays without Python): the first call of a shape,
-        # which compiles or loads from inductor's cache, is timed for the job's log
-        shapes = (key, tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
-        start = time.perf_counter()
-        try:
-            out = compiled(*args)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: same result, slower
-            log.warning("compiled %s unavailable for %s (%r); running it eagerly", fn.__name__, key, exc)
-            run.eager.add(key)
-            return fn(*args)
-        if shapes not in run.timed:
-            run.timed.add(shapes)
-            log.info("compiled %s for %s in %.2f s", fn.__name__, "x".join(map(str, shapes[1][0])),
-                     time.perf_counter() - start)
-        return out
-
-    run.eager, run.timed = set(), set()
-    return run
-
-
-@functools.cache
-def _layer_functions(compiled: bool) -> tuple:
-    """(layer input, attention, layer output): compiled once per process, or the eager functions."""
-    plain = (_layer_in, _attend, _layer_out)
-    return tuple(map(_compiled, plain)) if compiled else plain
-
-
-def _eager_sampler(logits, seeds, steps, temperature, top_p):
-    return sample_rows(logits, seeds, steps, temperature, top_p, exhaustive=True)
-
-
-def _bisecting_sampler(logits, seeds, steps, temperature, top_p):
-    return sample_rows(logits, seeds, steps, temperature, top_p, exhaustive=True, nucleus=nucleus_by_bisection)
-
-
-@functools.cache
-def _compiled_sampler():
-    """The exhaustive sampler fused by inductor, once per process: the noise in one pass over the logits (no
-    [rows, vocab] int64 temporaries: at 512 rows x 151936 tokens each would be 620 MB of memory traffic per step),
-    the top-p filter by bisection (a few fused passes instead of a sort of the vocabulary; the same tokens)."""
-    return _compiled(_bisecting_sampler)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class StaticDecoder:
@@ -243,16 +63,16 @@ class StaticDecoder:
         self.sampling: tuple[float, float] | None = None
         self.out: tuple[torch.Tensor, torch.Tensor] | None = None
         self.compiled = compiled and device.type == "cuda"
-        self.sample = _compiled_sampler() if self.graphs and self.compiled else _eager_sampler
-        self.layer_in, self.attend, self.layer_out = _layer_functions(self.compiled)
+        self.sample = compiled_sampler() if self.graphs and self.compiled else eager_sampler
+        self.layer_in, self.attend, self.layer_out = layer_functions(self.compiled)
         self.weights = [self._layer_weights(layer) for layer in inner.layers]
 
     @staticmethod
     def _layer_weights(layer) -> tuple:
-        """The tensors of one layer, in the argument order of ``_layer_in`` and ``_layer_out`` (biases may be
+        """The tensors of one layer, in the argument order of ``layer_in`` and ``layer_out`` (biases may be
         None), its norm epsilon, and whether its linear layers run as float32 GEMMs (``use_fp32_matmul``)."""
         a, m = layer.self_attn, layer.mlp
-        fp32 = isinstance(a.q_proj, _Fp32Linear)
+        fp32 = isinstance(a.q_proj, Fp32Linear)
 
         def wb(linear):
             return (linear.weight32, linear.bias32) if fp32 else (linear.weight, linear.bias)
