@@ -227,8 +227,9 @@ def test_a_scorer_sets_its_prefill_against_the_rollouts_engine_once_per_pivot(mo
 
 
 def test_the_workflow_scores_one_configurations_pivots_with_anothers_engine(smollm2_run, tmp_path):
-    """A finished SmolLM2 run gains a second configuration of its model (its CPU matmuls in bf16, not fp32) and a
-    cross pair: the scorer's one job reads the first configuration's rollouts and pivots and nothing of theirs reruns."""
+    """A finished SmolLM2 run gains a second configuration of its model (its CPU matmuls in bf16, not fp32) and
+    a cross pair: the scorer's one job reads the first configuration's rollouts and pivots, and nothing of
+    theirs reruns."""
     run = clone_run(smollm2_run, tmp_path / "run")
     native = {**TINY_ON_SMOLLM2["configs"]["tiny"], "cpu_matmul": "native"}
     pair = {"rollouts": "tiny", "scorer": "tiny-native"}
