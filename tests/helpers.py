@@ -40,6 +40,12 @@ TINY = {
     "resources": {"shard_size": 2, "threads": 1},
 }
 
+#: One pass's path through the tiny run (rollouts, pivots, the exact pass, its credit): the target the everyday
+#: tier's kill and shard tests rerun, and the files they compare with the uninterrupted run's.
+EXACT_PATH = "results/credit/tiny/exact.parquet"
+EXACT_PATH_FILES = ["rollouts/tiny/rollouts.parquet", "pivots/tiny.parquet", "passes/tiny/exact.parquet",
+                    "credit/tiny/exact.parquet"]
+
 #: The same configuration on the packaged SmolLM2 (30 layers, bf16), for the claims about a real model's numbers.
 SMOLLM2 = {"model": "smollm2-135m", "dtype": "bfloat16", "max_new_tokens": 24}
 TINY_ON_SMOLLM2 = {**TINY, "configs": {"tiny": SMOLLM2}}

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY, seed_model, snakemake, snakemake_command
+from helpers import EXACT_PATH, EXACT_PATH_FILES, TINY, seed_model, snakemake, snakemake_command
 
 from replaynoise.io import sha256_file
 
@@ -49,11 +49,8 @@ EVENT_KILLS = [
 RESUME_MARK = "resuming,"
 
 
-#: What the everyday tier runs and kills: one pass's path, through the long steps (rollouts and a pass, both
-#: resumable from kept shards), and the kills inside them.
-EXACT_PATH = "results/credit/tiny/exact.parquet"
-EXACT_PATH_FILES = ["rollouts/tiny/rollouts.parquet", "pivots/tiny.parquet", "passes/tiny/exact.parquet",
-                    "credit/tiny/exact.parquet"]
+#: The kills of the everyday tier, on one pass's path through the long steps (rollouts and a pass, both resumable
+#: from kept shards).
 EXACT_PATH_KILLS = [kill for kill in EVENT_KILLS if kill[0] in ("mid-rollouts: first rollout kept",
                                                                 "mid-pass: first exact batch kept")]
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
-from helpers import TINY, clone_run, planned_rules, snakemake
+from helpers import EXACT_PATH, EXACT_PATH_FILES, TINY, clone_run, planned_rules, snakemake
 
 from replaynoise.io import read_parquet, sha256_file
 from replaynoise.shards import batch_range, problem_range, shard_count, shard_index, shard_names
@@ -59,16 +58,14 @@ def test_one_shard_instead_of_two_gives_the_same_pass(tiny_run, tmp_path):
     """The everyday tier's form of the test below: one pass's path, rollouts to credit."""
     work = clone_run(tiny_run, tmp_path / "run")
     one_shard = {**TINY, "resources": {**TINY["resources"], "shard_size": 3}}
-    snakemake(work, one_shard, "results/credit/tiny/exact.parquet")
-    for rel in ["rollouts/tiny/rollouts.parquet", "pivots/tiny.parquet", "passes/tiny/exact.parquet",
-                "credit/tiny/exact.parquet"]:
+    snakemake(work, one_shard, EXACT_PATH)
+    for rel in EXACT_PATH_FILES:
         assert sha256_file(work / "results" / rel) == sha256_file(tiny_run / "results" / rel), rel
     one = read_parquet(work / "results" / "passes/tiny/exact/000.parquet")  # the one shard holds every row
     assert one.height == read_parquet(tiny_run / "results" / "passes/tiny/exact.parquet").height > 0
-    kv = {p.relative_to(work / "results" / "rollouts/tiny/kv/000").as_posix(): sha256_file(p)
-          for p in (work / "results" / "rollouts/tiny/kv/000").rglob("*.safetensors")}
+    kv = {p.name: sha256_file(p) for p in (work / "results" / "rollouts/tiny/kv/000").rglob("*.safetensors")}
     before = {p.name: sha256_file(p) for p in (tiny_run / "results" / "rollouts/tiny/kv").rglob("*.safetensors")}
-    assert kv and {Path(k).name: v for k, v in kv.items()} == before
+    assert kv and kv == before
 
 
 @pytest.mark.slow  # the whole workflow again
