@@ -58,19 +58,20 @@ def measure(engine: HFEngine, prompt_len: int, rollouts: int, device: str) -> di
         return go
 
     for req in first_of_file:  # warm-up: kernels, allocator
-        engine._decode_state(req)
-        engine._refeed_state(req, list(req.prefix_ids))
+        engine.decode_state(req)
+        engine.prefix_state(req, "refeed")
     row = {"prompt_len": prompt_len, "pivots": len(requests), "kv_files": len(files),
            "prefix_len_mean": statistics.mean(len(r.prefix_ids) for r in requests),
            "kv_file_mb_mean": statistics.mean(Path(f).stat().st_size for f in files) / 2**20}
     row["kv_load_with_sha256_ms"] = per_pivot_ms(lambda r: load_kv(r.kv_file, r.kv_sha256, device=engine.device),
                                                  first_of_file, device)
     row["kv_load_ms"] = per_pivot_ms(lambda r: load_kv(r.kv_file, None, device=engine.device), first_of_file, device)
-    row["exact_state_cold_file_ms"] = per_pivot_ms(cold(engine._decode_state), first_of_file, device)
-    row["exact_state_ms"] = per_pivot_ms(engine._decode_state, requests, device)  # file in memory: probe, checks
-    row["refeed_prefill_ms"] = per_pivot_ms(lambda r: engine._prefill(list(r.prefix_ids)), requests, device)
-    row["refeed_state_ms"] = per_pivot_ms(lambda r: engine._refeed_state(r, list(r.prefix_ids)), requests, device)
-    row["one_token_step_ms"] = per_pivot_ms(lambda r: engine._prefill(list(r.prefix_ids[-1:])), requests, device)
+    row["exact_state_cold_file_ms"] = per_pivot_ms(cold(engine.decode_state), first_of_file, device)
+    row["exact_state_ms"] = per_pivot_ms(engine.decode_state, requests, device)  # file in memory: probe, checks
+    row["refeed_prefill_ms"] = per_pivot_ms(lambda r: engine.forwards.prefill(list(r.prefix_ids)), requests, device)
+    row["refeed_state_ms"] = per_pivot_ms(lambda r: engine.prefix_state(r, "refeed"), requests, device)
+    row["one_token_step_ms"] = per_pivot_ms(lambda r: engine.forwards.prefill(list(r.prefix_ids[-1:])), requests,
+                                            device)
     return row
 
 

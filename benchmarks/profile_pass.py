@@ -36,7 +36,7 @@ from replaynoise.provenance import git_commit
 def timed_steps(engine) -> list:
     """Wrap every static decoder's ``step`` so each records CUDA events around it; returns the event list."""
     events: list = []
-    for decoder in engine._decoders.values():
+    for decoder in engine.forwards.decoders.values():
         if getattr(decoder.step, "timed", False):
             continue
         inner = decoder.step

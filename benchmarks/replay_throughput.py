@@ -161,7 +161,7 @@ def cpu(args) -> dict:
     import polars as pl
     import yaml
 
-    from replaynoise.models import load_model
+    from replaynoise.loading import load_model
     from replaynoise.replay import build_requests, kv_locations
 
     out = {"mode": "cpu", "threads": args.threads, "load_avg_start": os.getloadavg()}
@@ -257,7 +257,7 @@ def gpu(args) -> dict:
     engine = HFEngine(model, tokenizer, decode=args.decode)
     out = {"mode": "gpu", "device": torch.cuda.get_device_name() if device == "cuda" else device,
            "torch": torch.__version__,
-           "decode": "static" if engine.static else "dynamic"}
+           "decode": engine.mode.name}
     sampling = SamplingSettings(1.0, 1.0, args.new_tokens)
     k, n_max = args.k, max(args.batches)
     pivots_per_rollout = 8
@@ -339,7 +339,7 @@ def probe_repeat(engine, requests, repeats: int = 10) -> dict:
                 r.pivot_id.split("@")[0] not in longest:
             longest[r.pivot_id.split("@")[0]] = r
     picked = list(longest.values()) + requests[:4]
-    return {r.pivot_id: sum(engine._decode_state(r).verified for _ in range(repeats)) for r in picked}
+    return {r.pivot_id: sum(engine.decode_state(r).verified for _ in range(repeats)) for r in picked}
 
 
 def hf_generate(model, reqs, sampling, device: str, cache: str | None) -> float:

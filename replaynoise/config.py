@@ -14,9 +14,9 @@ import jsonschema
 import yaml
 
 from replaynoise.io import stable_hash
+from replaynoise.loading import check_local_model_dir
 from replaynoise.models import (
     attention_heads,
-    check_local_model_dir,
     context_length,
     model_source_files,
     resolve_model_spec,

@@ -23,15 +23,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from replaynoise.grading import extract_answer, is_correct
 from replaynoise.io import keyed_scratch, read_json, sha256_file
-from replaynoise.models import (
-    check_tokenizer,
-    eos_ids,
-    load_tokenizer,
-    model_weights_dir,
-    publish_model_dir,
-    staging_dir,
-    stop_token_ids,
-)
+from replaynoise.loading import eos_ids, load_tokenizer, model_weights_dir, stop_token_ids
+from replaynoise.models import check_tokenizer, publish_model_dir, staging_dir
 from replaynoise.prompts import chat_turns, check_chat_template, check_style, plain_text
 from replaynoise.training_log import training_log, write_training_log
 

@@ -67,7 +67,7 @@ def test_exact_resume_is_bitwise_on_gpu_and_refeed_is_not(model, tmp_path):
 @pytest.mark.parametrize("decode", ["auto", "dynamic"])  # auto: the batched invariant decoder (CUDA graphs)
 def test_invariant_mode_is_bitwise_identical_across_passes_on_gpu(model, tmp_path, decode):
     eng = engine(model, "invariant", decode, invariant_rows=8, invariant_context=256)
-    assert eng.aligned == (decode == "auto")
+    assert (eng.mode.name == "aligned") == (decode == "auto")
     _, requests = rollout_and_requests(eng, tmp_path, k=2)
     exact = eng.run_batch(requests, "decode_kv", SAMPLING)
     # the replica in other batches: other batch-mates, row slots and batch sizes
@@ -88,10 +88,10 @@ def test_invariant_mode_is_bitwise_identical_across_passes_on_gpu(model, tmp_pat
 
 def test_static_decode_replays_its_graph_bitwise_and_matches_the_eager_step(model, tmp_path):
     eng = engine(model, "stock")
-    assert eng.static  # the GPU default: static cache, CUDA graph, on-device sampling
+    assert eng.mode.name == "static"  # the GPU default: static cache, CUDA graph, on-device sampling
     _, requests = rollout_and_requests(eng, tmp_path)
     first = eng.run_batch(requests, "decode_kv", SAMPLING)
-    assert [d.compiled for d in eng._decoders.values()] == [False, True]  # the rollout's, the pass's
+    assert [d.compiled for d in eng.forwards.decoders.values()] == [False, True]  # the rollout's, the pass's
     again = eng.run_batch(requests, "decode_kv", SAMPLING)  # the captured graph, replayed on a new batch
     eager = engine(model, "stock", graphs=False)
     plain = eager.run_batch(requests, "decode_kv", SAMPLING)
@@ -127,10 +127,10 @@ def test_batched_static_rollouts_keep_each_rows_own_kv_on_gpu(model, tmp_path):
                            50 + i) for i in range(6)]
     keep = lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1  # noqa: E731
     static = engine(model, "stock")
-    assert static.static
+    assert static.mode.name == "static"
     dynamic = HFEngine(model, SimpleNamespace(eos_token_id=VOCAB - 1), decode="dynamic")
     a = static.generate_rollouts(reqs, SAMPLING, tmp_path / "static", keep)
-    assert [d.compiled for d in static._decoders.values()] == [False]  # rollouts: eager layers in the graph
+    assert [d.compiled for d in static.forwards.decoders.values()] == [False]  # rollouts: eager layers in the graph
     b = dynamic.generate_rollouts(reqs, SAMPLING, tmp_path / "dynamic", keep)
     from replaynoise.engines.kvfiles import load_kv_file
 

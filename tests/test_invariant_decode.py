@@ -139,7 +139,7 @@ def test_an_invariant_configuration_gets_its_one_decoder_shape_filled_in():
 
 
 def test_prefill_refuses_more_rows_than_the_shape_or_an_empty_prefix_by_name(model):
-    decoder = engine(model)._aligned()
+    decoder = engine(model).mode.decoder()
     with pytest.raises(ValueError, match="1 to 4 non-empty"):
         decoder.prefill([[1, 2]] * 5)
     with pytest.raises(ValueError, match="1 to 4 non-empty"):
@@ -150,7 +150,7 @@ def test_the_invariant_decoder_keeps_the_attention_its_identity_was_verified_wit
     """Stock static decoders attend with two GEMMs (faster on an H200); the invariant decoder keeps sdpa, with
     which its bitwise identity was verified on the GPU, unless the run's variable says otherwise."""
     monkeypatch.delenv("REPLAYNOISE_STATIC_ATTENTION", raising=False)
-    assert engine(model, "stock")._decoder(4, 64).attention == "gemm"
-    assert engine(model)._aligned().attention == "sdpa"
+    assert engine(model, "stock").forwards.decoder(4, 64).attention == "gemm"
+    assert engine(model).mode.decoder().attention == "sdpa"
     monkeypatch.setenv("REPLAYNOISE_STATIC_ATTENTION", "gemm")
-    assert engine(model)._aligned().attention == "gemm"
+    assert engine(model).mode.decoder().attention == "gemm"

@@ -17,11 +17,12 @@ LAYERS = [
     ["io", "logs", "progress", "seeds", "shards", "passes", "stats", "summary"],
     ["packages", "plan", "grading", "prompts", "training_log", "pivots", "credit", "cost", "channels",
      "engines.sampling", "engines.base"],
-    ["datasets"],
+    ["datasets", "loading"],
     ["models", "engines.kvfiles", "engines.cpu_matmul", "engines.kernels", "engines.vllm", "engines.vllm_build"],
     ["engines.static"],
     ["engines.states"],
-    ["engines.hf_rollouts"],
+    ["engines.hf_forwards"],
+    ["engines.hf_modes"],
     ["engines.hf", "config", "rollouts", "replay", "analysis", "controls", "training"],
     ["machine"],
     ["engines", "tables", "figures", "provenance", "mismatch", "pooling"],
@@ -31,7 +32,7 @@ LAYERS = [
 #: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when
 #: chosen, so that importing the engine interface (the passes, the analysis) never loads torch or vLLM.
 LAZY = {("engines", "engines.hf"), ("engines", "engines.vllm"), ("engines", "engines.vllm_build"),
-        ("engines", "models")}
+        ("engines", "loading")}
 
 
 def module_name(path: Path) -> str:

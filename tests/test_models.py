@@ -13,19 +13,10 @@ import torch
 from helpers import PACKAGES
 from safetensors.torch import load_file, save_file
 
-from replaynoise import models
+from replaynoise import loading
 from replaynoise.io import ChecksumError, sha256_file
-from replaynoise.models import (
-    PACKAGED_MODELS,
-    assemble_gguf,
-    check_local_model_dir,
-    check_tokenizer,
-    load_model,
-    load_tokenizer,
-    model_source_files,
-    model_weights_dir,
-    prepare_model,
-)
+from replaynoise.loading import check_local_model_dir, load_model, load_tokenizer, model_weights_dir
+from replaynoise.models import PACKAGED_MODELS, assemble_gguf, check_tokenizer, model_source_files, prepare_model
 
 
 class Unmerged:
@@ -149,8 +140,8 @@ def test_unchanged_local_weights_are_not_hashed_again_and_touched_ones_are(tiny_
     source = linked_model(tiny_model, tmp_path / "mine")
     prepare_model(str(source), "bfloat16", tmp_path / "prepared", tmp_path / "cache")
     hashed = []
-    real = models.check_sha256
-    monkeypatch.setattr(models, "check_sha256", lambda path, *a, **k: (hashed.append(path), real(path, *a, **k)))
+    real = loading.check_sha256
+    monkeypatch.setattr(loading, "check_sha256", lambda path, *a, **k: (hashed.append(path), real(path, *a, **k)))
     assert model_weights_dir(tmp_path / "prepared") == source and hashed == []
     os.utime(source / "model.safetensors")
     assert model_weights_dir(tmp_path / "prepared") == source

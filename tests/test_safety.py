@@ -36,7 +36,7 @@ def copy_model(model_dir: Path, dest: Path) -> Path:
 
 
 def test_pickle_weights_beside_safetensors_are_never_unpickled(tiny_model, tmp_path):
-    from replaynoise.models import load_weights
+    from replaynoise.loading import load_weights
 
     model_dir = copy_model(tiny_model, tmp_path / "model")
     marker = tmp_path / "pickle-was-executed"
@@ -48,7 +48,7 @@ def test_pickle_weights_beside_safetensors_are_never_unpickled(tiny_model, tmp_p
 
 
 def test_a_pickle_only_model_is_refused(tiny_model, tmp_path):
-    from replaynoise.models import check_local_model_dir
+    from replaynoise.loading import check_local_model_dir
 
     model_dir = copy_model(tiny_model, tmp_path / "model")
     for p in model_dir.glob("*.safetensors"):
@@ -61,7 +61,7 @@ def test_a_pickle_only_model_is_refused(tiny_model, tmp_path):
 
 
 def test_remote_code_named_by_a_model_is_never_run(tiny_model, tmp_path):
-    from replaynoise.models import load_weights
+    from replaynoise.loading import load_weights
 
     model_dir = copy_model(tiny_model, tmp_path / "model")
     marker = tmp_path / "remote-code-was-executed"
@@ -88,7 +88,7 @@ def test_remote_code_named_by_a_model_is_never_run(tiny_model, tmp_path):
 def test_loading_and_generating_need_no_network(tiny_model, tmp_path, monkeypatch):
     from replaynoise.engines.base import RolloutRequest, SamplingSettings
     from replaynoise.engines.hf import HFEngine
-    from replaynoise.models import load_weights
+    from replaynoise.loading import load_weights
 
     attempts = []
 

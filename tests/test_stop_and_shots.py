@@ -9,7 +9,7 @@ from replaynoise import replay, rollouts
 from replaynoise.datasets import load_problems, sample_problems
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import ContinuationRequest, ContinuationResult, SamplingSettings
-from replaynoise.models import load_tokenizer, model_weights_dir, stop_token_ids
+from replaynoise.loading import load_tokenizer, model_weights_dir, stop_token_ids
 from replaynoise.pivots import PivotRules
 
 SHOTS = [{"question": "Tom has 7 apples. Tom gets 5 more apples. How many apples does Tom have now?",

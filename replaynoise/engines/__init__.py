@@ -27,7 +27,7 @@ def make_engine(settings: dict, model_dir: Path, *, topk: int, threads: int) -> 
     if settings["engine"] == "hf":
         with startup("imports"):
             from replaynoise.engines.hf import HFEngine
-            from replaynoise.models import load_weights, model_weights_dir, stop_token_ids
+            from replaynoise.loading import load_weights, model_weights_dir, stop_token_ids
         with startup("weights check"):
             weights = model_weights_dir(Path(model_dir))
         with startup("model load"):
@@ -42,7 +42,7 @@ def make_engine(settings: dict, model_dir: Path, *, topk: int, threads: int) -> 
         with startup("imports"):
             from replaynoise.engines.vllm import VLLMEngine
             from replaynoise.engines.vllm_build import build_llm, check_invariant_platform
-            from replaynoise.models import eos_ids, load_tokenizer, model_weights_dir, stop_token_ids
+            from replaynoise.loading import eos_ids, load_tokenizer, model_weights_dir, stop_token_ids
 
         if settings["kernels"] == "invariant":
             check_invariant_platform(settings["device"])
