@@ -22,6 +22,7 @@ from replaynoise.models import (
     resolve_model_spec,
 )
 from replaynoise.passes import canonical_order, pass_spec
+from replaynoise.settings import INVARIANT_PROMPT, INVARIANT_ROWS, cross_scoring
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO_ROOT / "config" / "schema.yaml"
@@ -142,10 +143,6 @@ def _fill_engine_settings(schema: dict, config: dict, as_given: dict) -> None:
     replay = config.get("replay")
     if isinstance(replay, dict) and "serial" in (replay.get("passes") or []):
         replay.setdefault("serial_pivots", SERIAL_PIVOTS)
-
-
-#: rows of the invariant decoder shape, and the prompt tokens its default length leaves room for
-INVARIANT_ROWS, INVARIANT_PROMPT = 64, 512
 
 
 def _fill_invariant_shape(config: dict) -> None:
@@ -299,16 +296,16 @@ def _check_cross_scoring(config: dict) -> None:
     """Each pair names two configurations of the run, different ones, of the same model: a scorer of another
     model would read the rollouts' token ids with another vocabulary."""
     configs = config["configs"]
-    for i, pair in enumerate(config["analysis"].get("cross_scoring", [])):
+    for i, pair in enumerate(cross_scoring(config["analysis"])):
         key = f"analysis.cross_scoring[{i}]"
-        for role in ("rollouts", "scorer"):
-            if pair[role] not in configs:
-                raise ConfigError(f"config key {key}.{role}: {pair[role]!r} is not a configuration of this run "
+        for role, name in zip(("rollouts", "scorer"), pair):
+            if name not in configs:
+                raise ConfigError(f"config key {key}.{role}: {name!r} is not a configuration of this run "
                                   f"({', '.join(sorted(configs))})")
-        if pair["rollouts"] == pair["scorer"]:
-            raise ConfigError(f"config key {key}: the rollouts and the scorer are both {pair['scorer']!r}; a "
+        if pair[0] == pair[1]:
+            raise ConfigError(f"config key {key}: the rollouts and the scorer are both {pair[1]!r}; a "
                               "configuration's own re-feed is its refeed pass's prefix mismatch already")
-        models = configs[pair["rollouts"]]["model"], configs[pair["scorer"]]["model"]
+        models = configs[pair[0]]["model"], configs[pair[1]]["model"]
         if models[0] != models[1]:
             raise ConfigError(f"config key {key}: the rollouts' model {models[0]!r} and the scorer's {models[1]!r} "
                               "differ; a scorer must read the rollouts' token ids with the same vocabulary")

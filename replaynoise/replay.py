@@ -328,3 +328,11 @@ PASS_SCHEMA = {
 #: the k of probe rows until ``gather`` folds them into the k = 0 rows
 PROBE_K = -1
 
+
+def continuation_sampling(settings: Mapping, replay: Mapping) -> SamplingSettings:
+    """How a pass samples its continuations: the configuration's temperature and top_p unless ``replay`` sets its
+    own (null: the configuration's, as the schema says; a temperature of 0 is greedy), ``replay.max_new_tokens``
+    tokens."""
+    return SamplingSettings(settings["temperature"] if replay["temperature"] is None else replay["temperature"],
+                            settings["top_p"] if replay["top_p"] is None else replay["top_p"],
+                            replay["max_new_tokens"])

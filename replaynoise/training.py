@@ -26,6 +26,7 @@ from replaynoise.io import keyed_scratch, read_json, sha256_file
 from replaynoise.loading import eos_ids, load_tokenizer, model_weights_dir, stop_token_ids
 from replaynoise.models import check_tokenizer, publish_model_dir, staging_dir
 from replaynoise.prompts import chat_turns, check_chat_template, check_style, plain_text
+from replaynoise.settings import PromptSettings
 from replaynoise.training_log import training_log, write_training_log
 
 #: Steps between the checkpoints an interrupted training resumes from (each holds the optimizer state too).
@@ -35,7 +36,8 @@ CHECKPOINT_EVERY = 10
 def training_prompts(problems: pl.DataFrame, tokenizer, prompt: dict) -> Dataset:
     """TRL's prompt column, as the rollouts ask: a conversation for ``chat`` (TRL applies the chat template just
     as ``rollouts.prompt_ids`` does), the plain text otherwise; the gold answer rides along for the reward."""
-    style, instruction, shots = prompt["style"], prompt["instruction"], prompt.get("shots", [])
+    settings = PromptSettings.of(prompt)
+    style, instruction, shots = settings.style, settings.instruction, settings.shots
     check_style(style)
     if style == "chat":
         check_chat_template(tokenizer)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from replaynoise.config import validate_config
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = REPO / "resources" / "packages"  # pip-downloaded wheels, shared with the workflow's cache
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
@@ -116,3 +118,9 @@ def with_setting(config: dict, path: str, value) -> dict:
         node = node.setdefault(key, {})
     node[last] = value
     return config
+
+
+def configuration(**given) -> dict:
+    """One configuration's settings as the workflow validates them (every default filled), for an engine built
+    outside a run: ``make_engine`` reads validated settings and has no defaults of its own."""
+    return validate_config({"configs": {"c": {"model": "smollm2-135m", **given}}})["configs"]["c"]

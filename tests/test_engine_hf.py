@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import polars as pl
 import pytest
 import torch
+from helpers import configuration
 
 from replaynoise import replay, rollouts
 from replaynoise.channels import assert_all_identical, channel_agreement
@@ -33,8 +34,7 @@ CONTINUE = SamplingSettings(temperature=0.7, top_p=1.0, max_new_tokens=12)
 
 
 def engine_for(model_dir: Path, kernels: str = "stock"):
-    settings = {"engine": "hf", "dtype": "bfloat16", "device": "cpu", "kernels": kernels}
-    return make_engine(settings, model_dir, topk=5, threads=2)
+    return make_engine(configuration(kernels=kernels), model_dir, topk=5, threads=2)
 
 
 def campaign(model_dir: Path, out: Path, kernels: str, n_problems: int = 3, per_rollout: int = 2):

@@ -17,7 +17,7 @@ LAYERS = [
     ["io", "logs", "progress", "seeds", "shards", "passes", "stats", "summary"],
     ["packages", "plan", "grading", "prompts", "training_log", "pivots", "credit", "cost", "channels",
      "engines.sampling", "engines.base"],
-    ["datasets", "loading"],
+    ["datasets", "loading", "settings"],
     ["models", "engines.kvfiles", "engines.cpu_matmul", "engines.kernels", "engines.vllm", "engines.vllm_build"],
     ["engines.static"],
     ["engines.states"],

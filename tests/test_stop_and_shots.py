@@ -4,6 +4,7 @@ gradable answer line, on the real SmolLM2 tokenizer and model (CPU)."""
 from __future__ import annotations
 
 import pytest
+from helpers import configuration
 
 from replaynoise import replay, rollouts
 from replaynoise.datasets import load_problems, sample_problems
@@ -63,8 +64,7 @@ def test_stop_ends_every_rollout_at_its_first_stop_token(smollm2_dir, tmp_path):
     rules = PivotRules(max_margin=0.3, per_rollout=2)
 
     def responses(stop: list[str]):
-        settings = {"engine": "hf", "dtype": "bfloat16", "device": "cpu", "kernels": "stock", "stop": stop}
-        engine = make_engine(settings, smollm2_dir, topk=5, threads=2)
+        engine = make_engine(configuration(stop=stop), smollm2_dir, topk=5, threads=2)
         frame = rollouts.generate(engine, problems, config_name="c", seed=7, style="plain", instruction="",
                                   shots=SHOTS, sampling=SamplingSettings(0.7, 1.0, 32), rules=rules,
                                   kv_dir=tmp_path / f"kv{len(stop)}", work_dir=tmp_path / f"work{len(stop)}",

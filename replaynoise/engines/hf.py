@@ -41,6 +41,7 @@ from replaynoise.engines.states import IO_THREADS, PrefixState, transplant
 from replaynoise.io import file_in
 from replaynoise.loading import eos_token_ids
 from replaynoise.passes import as_source
+from replaynoise.settings import INVARIANT_CONTEXT, INVARIANT_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,8 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model, tokenizer, *, kernels: str = "stock", topk: int = 5, decode: str = "auto",
-                 cpu_matmul: str = "fp32", cache_gib: float | None = None, invariant_rows: int = 64,
-                 invariant_context: int = 1024, stop_ids: set[int] | frozenset = frozenset(),
+                 cpu_matmul: str = "fp32", cache_gib: float | None = None, invariant_rows: int = INVARIANT_ROWS,
+                 invariant_context: int = INVARIANT_CONTEXT, stop_ids: set[int] | frozenset = frozenset(),
                  graphs: bool = True) -> None:
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")

@@ -28,6 +28,7 @@ from replaynoise.plan import (  # noqa: E402
 )
 from replaynoise.io import stable_hash  # noqa: E402
 from replaynoise.provenance import source_digest  # noqa: E402
+from replaynoise.settings import cross_scoring, stop_texts  # noqa: E402
 from replaynoise.shards import shard_names  # noqa: E402
 from replaynoise.summary import run_summary  # noqa: E402
 
@@ -95,7 +96,7 @@ def train_recipe(name):
     return {
         "train": settings["train"],
         "prompt": config["prompt"],
-        "stop": settings.get("stop", []),
+        "stop": stop_texts(settings),
         "device": settings["device"],
         "excluded": {**config["dataset"], "seed": config["seed"]} if same_source else None,
     }
@@ -212,7 +213,7 @@ def cross_file(rollouts_config, scorer_config, ext):
     return f"results/cross/{rollouts_config}/{scorer_config}.{ext}"
 
 
-CROSS_PAIRS = [(pair["rollouts"], pair["scorer"]) for pair in config["analysis"].get("cross_scoring", [])]
+CROSS_PAIRS = cross_scoring(config["analysis"])
 
 
 def mismatch_file(config_name):
