@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 import polars as pl
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replaynoise.analysis import compare_passes, comparison_settings  # noqa: E402
 from replaynoise.config import analysis_hash, validate_config  # noqa: E402
 from replaynoise.credit import read_credit_grid  # noqa: E402
+from replaynoise.overlays import load_campaign  # noqa: E402
 from replaynoise.tables import (
     headline_rows,  # noqa: E402
     render_markdown,  # noqa: E402
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("run", type=Path)
     ap.add_argument("--configfile", required=True)
     args = ap.parse_args()
-    config = validate_config(yaml.safe_load(Path(args.configfile).read_text()))
+    config = validate_config(load_campaign(args.configfile))
     configs, passes = list(config["configs"]), list(config["replay"]["passes"])
     files = [str(args.run / "credit" / c / f"{p}.parquet") for c in configs for p in passes]
     credits = read_credit_grid(files, configs, passes)

@@ -24,8 +24,9 @@ log="$work/snakemake.log"
 set -m
 # GPU_SLOTS: model jobs sharing the GPU at once (default 1; small models leave an H200 mostly idle, but their
 # per-rule seconds then include the sharing, so the cost statement overstates their GPU time).
+# a campaign file that is an overlay (overlay_of) runs with its base before it: replaynoise/overlays.py
 snakemake -s "$PWD/Snakefile" --directory "$work" --cores "$(nproc)" --resources gpu="${GPU_SLOTS:-1}" --keep-going \
-    --configfile "$PWD/$cfg" --replace-workflow-config ${TARGETS:-} >> "$log" 2>&1 &
+    --configfile $(python -m replaynoise.overlays "$PWD/$cfg") --replace-workflow-config ${TARGETS:-} >> "$log" 2>&1 &
 run=$!
 ( sleep "$limit"; kill -TERM -- "-$run"; sleep 15; kill -KILL -- "-$run" ) > /dev/null 2>&1 &
 watchdog=$!

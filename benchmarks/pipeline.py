@@ -19,9 +19,9 @@ from importlib.metadata import version
 from pathlib import Path
 
 import polars as pl
-import yaml
 
 from replaynoise.config import validate_config
+from replaynoise.overlays import load_campaign
 from replaynoise.provenance import hardware
 
 LOOP = re.compile(r": done, (\d+) rows, (\d+) generated tokens in ([\d.]+) s")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     path = args.run / "results" / "provenance.json"
     provenance = json.loads(path.read_text()) if path.is_file() else {
-        "config": validate_config(yaml.safe_load(args.configfile.read_text())), "hardware": hardware(),
+        "config": validate_config(load_campaign(args.configfile)), "hardware": hardware(),
         "packages": {name: version(name) for name in ("torch", "transformers", "snakemake", "polars")},
         "git": {"note": "no provenance.json: the run did not finish"}}
     rows = rows_for(args.run, provenance["config"])

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.replay_throughput import roofline
@@ -30,6 +29,7 @@ from replaynoise.config import validate_config
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import SamplingSettings
 from replaynoise.io import read_json, read_parquet
+from replaynoise.overlays import load_campaign
 from replaynoise.provenance import git_commit
 
 
@@ -57,9 +57,9 @@ def timed_steps(engine) -> list:
 def run_config(run: Path, configfile: Path) -> dict:
     """The run's configuration, validated from its folder, where its relative model paths resolve (the workflow
     runs there)."""
-    text = configfile.read_text()
+    raw = load_campaign(configfile.resolve())
     with contextlib.chdir(run):
-        return validate_config(yaml.safe_load(text))
+        return validate_config(raw)
 
 
 def measured(commit: str | None) -> dict:

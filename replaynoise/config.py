@@ -21,6 +21,7 @@ from replaynoise.models import (
     model_source_files,
     resolve_model_spec,
 )
+from replaynoise.overlays import apply_overlay
 from replaynoise.passes import canonical_order, pass_spec
 from replaynoise.settings import INVARIANT_PROMPT, INVARIANT_ROWS, cross_scoring
 
@@ -84,8 +85,11 @@ def _describe(error: jsonschema.ValidationError) -> str:
 def validate_config(config: dict) -> dict:
     """Return a validated copy of ``config`` with defaults filled; raise ConfigError naming the bad key."""
     schema = load_schema()
-    given = copy.deepcopy(config)
-    config = _fill_defaults(schema, copy.deepcopy(config))
+    try:
+        given = apply_overlay(copy.deepcopy(config))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    config = _fill_defaults(schema, copy.deepcopy(given))
     _fill_engine_settings(schema, config, given)
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))

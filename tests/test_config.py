@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import SNAKEMAKE, TINY
 
 from replaynoise.config import (
     DEFAULT_CONFIG_PATH,
@@ -24,6 +25,7 @@ from replaynoise.config import (
 )
 from replaynoise.engines.vllm_build import invariant_llm_kwargs, llm_kwargs
 from replaynoise.machine import job_gpus
+from replaynoise.overlays import configfiles, load_campaign
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"
@@ -80,7 +82,7 @@ def test_every_campaign_file_passes_the_duplicate_key_check_and_validates(path):
     """The files use merge keys (``<<: *gpu``) with overrides: neither is a duplicate."""
     check_config_file(path)
     if path.parent.name != "paper-variants":  # overlays, merged over paper.yaml
-        assert validate_config(yaml.safe_load(path.read_text()))["configs"]
+        assert validate_config(load_campaign(path))["configs"]
 
 
 #: reference/<folder>/<name> (gpu: the HF engine's; gpu-vllm: vLLM's), made by config/campaigns/<folder>/<name>.yaml
@@ -100,10 +102,50 @@ def test_every_gpu_reference_has_its_campaign_file():
 def test_committed_gpu_reference_was_made_by_its_campaign_file(ref):
     """reference/<folder>/<name> must describe config/campaigns/<folder>/<name>.yaml as committed: an edit to the
     file without a new run would leave a reference that no rerun of the file reproduces."""
-    campaign = validate_config(yaml.safe_load((REPO / "config" / "campaigns" / f"{ref}.yaml").read_text()))
+    campaign = validate_config(load_campaign(REPO / "config" / "campaigns" / f"{ref}.yaml"))
     provenance = json.loads((REPO / "reference" / ref / "provenance.json").read_text())
     assert provenance["config"] == campaign
     assert provenance["analysis_hash"] == analysis_hash(campaign)
+
+
+#: campaign variants written as overlays of their base (overlay_of, rename_configs)
+OVERLAYS = sorted(p for p in CAMPAIGNS if "overlay_of" in yaml.safe_load(p.read_text()))
+
+
+def test_the_campaign_variants_are_overlays_and_each_runs_with_its_base_first():
+    assert {p.stem for p in OVERLAYS} >= {"qwen-k8", "qwen-k16", "qwen-fp16", "qwen-greedy", "qwen-invariant",
+                                          "controls-fp32"}
+    for path in OVERLAYS:
+        base = path.parent / yaml.safe_load(path.read_text())["overlay_of"]
+        assert configfiles(path) == [base, path]
+        assert len(path.read_text().splitlines()) < len(base.read_text().splitlines()) // 2
+
+
+def test_an_overlay_runs_renamed_after_its_base_and_is_refused_before_or_without_it(tiny_model, tmp_path):
+    """Snakemake merges whatever --configfile files it is given, in order: the workflow itself refuses an overlay
+    whose base is missing or comes after it, naming the base, and runs the base's configuration renamed."""
+    base, overlay = tmp_path / "base.yaml", tmp_path / "k1.yaml"
+    base.write_text(yaml.safe_dump(TINY))
+    overlay.write_text("overlay_of: base.yaml\nrename_configs: {tiny: tiny-k1}\nreplay: {k: 1}\n")
+    dry = [*SNAKEMAKE, "--directory", str(tmp_path), "-n", "--replace-workflow-config", "--configfile"]
+    for files in ([overlay], [overlay, base]):
+        proc = subprocess.run(dry + [str(f) for f in files], capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0
+        assert f"k1.yaml is an overlay of {base}" in proc.stderr + proc.stdout
+    proc = subprocess.run(dry + [str(base), str(overlay)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "results/analysis/tiny-k1/comparison.json" in proc.stdout
+    assert "results/analysis/tiny/" not in proc.stdout
+
+
+def test_a_rename_onto_a_kept_configuration_or_two_onto_one_is_refused(committed):
+    two = {"configs": {"a": {"model": "smollm2-135m"}, "b": {"model": "smollm2-135m"}}}
+    with pytest.raises(ConfigError, match=r"rename_configs\.a: 'b' is already a configuration"):
+        validate_config({**two, "rename_configs": {"a": "b"}})
+    with pytest.raises(ConfigError, match="two configurations renamed to one name"):
+        validate_config({**two, "rename_configs": {"a": "c", "b": "c"}})
+    swapped = validate_config({**two, "rename_configs": {"a": "b", "b": "a"}})
+    assert sorted(swapped["configs"]) == ["a", "b"] and "rename_configs" not in swapped
 
 
 def test_validate_does_not_mutate_its_argument(committed):

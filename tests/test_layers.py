@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "replaynoise"
 #: Bottom to top. A module may import only modules of earlier layers (or of its own package's base).
 LAYERS = [
-    ["io", "logs", "progress", "seeds", "shards", "passes", "stats", "summary"],
+    ["io", "logs", "overlays", "progress", "seeds", "shards", "passes", "stats", "summary"],
     ["packages", "plan", "grading", "prompts", "training_log", "pivots", "credit", "cost", "channels",
      "engines.sampling", "engines.base"],
     ["datasets", "loading", "settings"],

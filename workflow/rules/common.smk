@@ -18,6 +18,7 @@ from replaynoise.config import (  # noqa: E402
 from replaynoise.datasets import check_n_problems  # noqa: E402
 from replaynoise.machine import job_gpus, overlay_adds_default_configs, platform_problems  # noqa: E402
 from replaynoise.models import model_source_files, prepared_model_key  # noqa: E402
+from replaynoise.overlays import misordered  # noqa: E402
 from replaynoise.passes import pass_spec  # noqa: E402
 from replaynoise.plan import (  # noqa: E402
     FROM_COMPARISONS,
@@ -35,6 +36,9 @@ from replaynoise.summary import run_summary  # noqa: E402
 try:
     for _path in workflow.configfiles:  # Snakemake's YAML loader keeps the last of two equal keys, silently
         check_config_file(_path)
+    _order = misordered(workflow.overwrite_configfiles)
+    if _order:
+        raise ConfigError(_order)
     _validated = validate_config(config)
     # a dataset too small for n_problems is refused here, before Snakemake deletes any output to redo it
     check_n_problems(_validated["dataset"], Path("resources/packages"))
