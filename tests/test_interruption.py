@@ -164,7 +164,7 @@ def test_kills_at_random_delays_recover_identical_results(tiny_run, tiny_prepare
     delays = []
     for _ in range(10):
         unlock(tmp_path)
-        delay = rng.uniform(4.0, 25.0)
+        delay = rng.uniform(2.0, 12.0)  # the tiny run takes about half a minute, a start-up about 4 s of it
         if not run_with_kill_after(tmp_path, delay):
             break
         delays.append(round(delay, 1))
