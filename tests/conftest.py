@@ -5,6 +5,11 @@ The helpers the tests share are in helpers.py."""
 from __future__ import annotations
 
 import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers share the cores (pytest -n): OpenMP threads that spin while they wait take the cores from the other
+    # worker's processes, so they sleep instead (read when torch first loads, below; model jobs inherit it).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import shutil
 import tempfile
 from collections.abc import Iterator

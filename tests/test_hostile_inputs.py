@@ -1,4 +1,4 @@
-"""Inputs a hostile or careless user can give (issue 37): ids that would become paths, results lost between runs,
+"""Inputs a hostile or careless user can give: ids that would become paths, results lost between runs,
 inputs edited mid-run, prompts past the context, settings that can give no result, damaged scratch, a rebuild
 into its own reference. Each is refused by name before it can do harm, or repaired, and the embedded default's
 results do not change.

@@ -9,7 +9,7 @@ import subprocess
 import polars as pl
 import pytest
 import yaml
-from helpers import REPO, TINY, TINY_ON_SMOLLM2, clone_run, planned_rules, seed_model, snakemake
+from helpers import REPO, TINY, TINY_MODEL_DIR, TINY_ON_SMOLLM2, clone_run, planned_rules, seed_model, snakemake
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +127,13 @@ def test_cost_statement_covers_every_model_job(finished_run):
     assert "cost/" not in (finished_run / "results" / "MANIFEST.sha256").read_text()
 
 
-def test_paper_preset_runs_on_cpu_shrunk_and_reports_the_papers_definitions(smollm2_dir, tmp_path):
-    """config/campaigns/paper.yaml as it is, but one configuration on the CPU and a few problems (built-in
-    arithmetic instead of GSM8K, short budgets): its rules, screen, probe and tables come through by name."""
+def test_paper_preset_runs_on_cpu_shrunk_and_reports_the_papers_definitions(tiny_prepared, tmp_path):
+    """config/campaigns/paper.yaml as it is, but one configuration on the CPU (its SmolLM2 settings on the tiny
+    model) and a few problems (built-in arithmetic instead of GSM8K, short budgets): its rules, screen, probe and
+    tables come through by name."""
     config = yaml.safe_load((REPO / "config" / "campaigns" / "paper.yaml").read_text())
-    config["configs"] = {"smollm2-bf16": {**config["configs"]["smollm2-bf16"], "device": "cpu",
-                                          "max_new_tokens": 40}}
+    config["configs"] = {"tiny": {**config["configs"]["smollm2-bf16"], "model": str(TINY_MODEL_DIR),
+                                  "dtype": "float32", "device": "cpu", "max_new_tokens": 40}}
     config["dataset"] = {"source": "simple_addsub", "sample": "first", "n_problems": 4}
     config["prompt"]["instruction"] = "Answer in one short sentence that ends with the number."
     config["rollouts"].update(per_problem=2, batch_size=8, screen={"rule": "mixed", "fixed": 2, "skip": 0,
@@ -141,19 +142,19 @@ def test_paper_preset_runs_on_cpu_shrunk_and_reports_the_papers_definitions(smol
     config["replay"].update(k=2, max_new_tokens=8, batch_size=16, probe_tokens=4)
     config["analysis"].update(n_boot=20, min_eligible=1)
     config["resources"] = {"shard_size": 4, "threads": 2}
-    seed_model(tmp_path, smollm2_dir)
+    seed_model(tmp_path, tiny_prepared)
     snakemake(tmp_path, config)
     results = tmp_path / "results"
-    rollouts = pl.read_parquet(results / "rollouts" / "smollm2-bf16" / "rollouts.parquet")
+    rollouts = pl.read_parquet(results / "rollouts" / "tiny" / "rollouts.parquet")
     assert rollouts.group_by("problem_id").len()["len"].to_list() == [2] * 4
-    pivots = pl.read_parquet(results / "pivots" / "smollm2-bf16.parquet")
+    pivots = pl.read_parquet(results / "pivots" / "tiny.parquet")
     assert pivots.height > 0 and set(pivots["rollout"]) <= {0, 1}
     assert (pivots["prefix_len"] % 16).is_in([0, 1, 2]).all()
     assert pivots.group_by("problem_id", "rollout").len()["len"].max() <= 5
-    exact = pl.read_parquet(results / "passes" / "smollm2-bf16" / "exact.parquet")
+    exact = pl.read_parquet(results / "passes" / "tiny" / "exact.parquet")
     assert exact.filter(pl.col("k") == 0)["probe_ids"].list.len().max() <= 4
     assert exact.filter(pl.col("k") == 1)["probe_ids"].null_count() == exact.filter(pl.col("k") == 1).height
-    comparison = json.loads((results / "analysis" / "smollm2-bf16" / "comparison.json").read_text())
+    comparison = json.loads((results / "analysis" / "tiny" / "comparison.json").read_text())
     assert comparison["metric"] == "sign"
     assert {"main", "treatment_independent"} <= set(comparison["conditionings"])
     assert comparison["probe"]["refeed"]["recorded"] is True
