@@ -65,8 +65,9 @@ def run_tests(tree: Path, tests: list[str]) -> tuple[int, float, str]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                           cwd=tree, env=env, capture_output=True, text=True)
-    last = (proc.stdout.strip().splitlines() or [""])[-1]
-    return proc.returncode, round(time.monotonic() - started, 1), last
+    lines = proc.stdout.strip().splitlines() or [""]
+    why = next((line[1:].strip() for line in lines if line.startswith("E ")), "")  # the first failure's reason
+    return proc.returncode, round(time.monotonic() - started, 1), f"{lines[-1]}{': ' + why if why else ''}"
 
 
 def main() -> None:
