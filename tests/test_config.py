@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import SNAKEMAKE, TINY
+from snakemake.utils import update_config
 
 from replaynoise.config import (
     DEFAULT_CONFIG_PATH,
@@ -119,6 +120,11 @@ def test_the_campaign_variants_are_overlays_and_each_runs_with_its_base_first():
         base = path.parent / yaml.safe_load(path.read_text())["overlay_of"]
         assert configfiles(path) == [base, path]
         assert len(path.read_text().splitlines()) < len(base.read_text().splitlines()) // 2
+        # what a run sees: Snakemake's own merge of --configfile BASE OVERLAY
+        theirs = {}
+        for file in (base, path):
+            update_config(theirs, yaml.safe_load(file.read_text()))
+        assert load_campaign(path) == theirs
 
 
 def test_an_overlay_runs_renamed_after_its_base_and_is_refused_before_or_without_it(tiny_model, tmp_path):
