@@ -1,14 +1,14 @@
 """A campaign's variant written as an overlay of its base. ``--configfile BASE VARIANT`` makes Snakemake merge the
 two key by key (mappings merged, anything else replaced), so the variant file holds only what it changes:
 
-- ``overlay_of``: the base file, relative to the variant's folder (what ``configfiles`` puts first);
+- ``overlay_of``: the base file, relative to the variant's folder (what ``configfiles`` puts first), a whole file;
 - ``rename_configs``: new names for the base's configurations (old: new), under which the variant's outputs,
   and its committed reference, sit beside the base's.
 
 Both keys are applied and removed before validation: a variant written as an overlay validates to exactly the
 mapping, and so the analysis hash, of the same variant written out in full.
 
-    python -m replaynoise.overlays FILE   # the --configfile arguments that run FILE: its bases first
+    python -m replaynoise.overlays FILE   # the --configfile arguments that run FILE: its base first
 """
 
 from __future__ import annotations
@@ -22,18 +22,19 @@ OVERLAY_KEY, RENAME_KEY = "overlay_of", "rename_configs"
 
 
 def configfiles(path: str | Path) -> list[Path]:
-    """The files that make up a campaign file, its bases first (a base may be an overlay itself)."""
-    chain, path = [], Path(path)
-    while True:
-        if path in chain:
-            raise ValueError(f"{path}: {OVERLAY_KEY} goes round in a circle ({' -> '.join(map(str, chain))})")
-        chain.insert(0, path)
-        base = (yaml.safe_load(path.read_text()) or {}).get(OVERLAY_KEY)
-        if base is None:
-            return chain
-        path = path.parent / base
-        if not path.is_file():
-            raise ValueError(f"{chain[0]}: {OVERLAY_KEY}: {base!r} is not a file beside it ({path})")
+    """The files that make up a campaign file: its base first where it is an overlay. A base is a whole file:
+    ``rename_configs`` and ``configs`` of an overlay use its base's configuration names, which an overlay of an
+    overlay would have to trace back through both."""
+    path = Path(path)
+    base = (yaml.safe_load(path.read_text()) or {}).get(OVERLAY_KEY)
+    if base is None:
+        return [path]
+    full = path.parent / str(base)
+    if not full.is_file():
+        raise ValueError(f"{path}: {OVERLAY_KEY}: {base!r} is not a file beside it ({full})")
+    if (yaml.safe_load(full.read_text()) or {}).get(OVERLAY_KEY) is not None or full.resolve() == path.resolve():
+        raise ValueError(f"{path}: {OVERLAY_KEY}: {base!r} is an overlay itself; an overlay's base is a whole file")
+    return [full, path]
 
 
 def merged(base: dict, overlay: dict) -> dict:
@@ -68,9 +69,10 @@ def misordered(paths: list[str | Path]) -> str | None:
 def apply_overlay(config: dict) -> dict:
     """``config`` with its configurations renamed as ``rename_configs`` says and both overlay keys gone; a
     rename of a configuration that is not there, or onto a name that is kept, is refused by key."""
-    renames = config.get(RENAME_KEY) or {}
+    renames = config.get(RENAME_KEY, {})
     configs = config.get("configs")
-    if not isinstance(renames, dict) or (renames and not isinstance(configs, dict)):
+    if (not isinstance(renames, dict) or not all(isinstance(n, str) for n in [*renames, *renames.values()])
+            or (renames and not isinstance(configs, dict))):
         raise ValueError(f"config key {RENAME_KEY}: a mapping of configuration names (old: new) over a configs "
                          f"mapping, got {renames!r}")
     for old, new in renames.items():

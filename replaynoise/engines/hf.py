@@ -151,7 +151,6 @@ class HFEngine:
         return PrefixState([(k[..., :length, :], v[..., :length, :]) for k, v in stored], length, same_ids, None,
                            cached=length, expected=length)
 
-
     def _refeed_states(self, requests: list[ContinuationRequest], seqs: list[list[int]], dtype: str | None,
                        starts: list[int | None]) -> list[PrefixState]:
         """Recompute the prefixes as fresh prompts, as the mode prefills them (``dtype``: by the model cast to
@@ -188,8 +187,9 @@ class HFEngine:
                 cast[id(state)] = (replace(state, kv=state.kv.to(to)) if state.kv is not None else
                                    replace(state, layers=[(k.to(to), v.to(to)) for k, v in state.per_layer()]))
         states = [cast[id(s)] for s in states]
+        model = self.forwards.model_in(dtype)
         with self.phases("decode"):
-            return self.mode.continue_in(self.forwards.model_in(dtype), requests, states, sampling)
+            return self.mode.continue_in(model, requests, states, sampling)
 
     # ----------------------------------------------------------------------------------------- rollouts
     @torch.inference_mode()
