@@ -58,7 +58,7 @@ def run(engine, frame, pivots, pass_name: str, work: Path, batch_size: int = 8, 
                            sample_sizes={"serial_pivots": serial_pivots})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: under pytest -n other modules' tests run between these
 def stock(smollm2_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("stock")
     engine, frame, pivots = campaign(smollm2_dir, out, "stock")

@@ -45,9 +45,11 @@ def run_config(model: Path) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def trained_run(tmp_path_factory) -> tuple[Path, dict, set[str]]:
-    """A finished run of the default target, and the rules a dry run planned before it."""
+    """A finished run of the default target, and the rules a dry run planned before it. Session-scoped: under
+    pytest -n a worker runs other modules' tests between these, and a module's fixture is made again each time its
+    module comes back (the tests only read the run, or plan on it)."""
     model = save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
     workdir = tmp_path_factory.mktemp("trained-run")
     config = run_config(model)
