@@ -32,6 +32,7 @@ SLOW_FIXTURES = {"smollm2_dir", "gemma_dir", "trained_run"}
 SHARED_FIXTURES = {"smollm2_dir": "smollm2", "gemma_dir": "gemma", "trained_run": "trained"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(items):
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
