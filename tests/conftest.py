@@ -27,21 +27,10 @@ from replaynoise.models import prepare_model, prepared_model_key
 SLOW_FIXTURES = {"smollm2_dir", "gemma_dir", "trained_run"}
 
 
-#: Under pytest-xdist (``-n``), the tests of each of these session fixtures run on one worker, which makes the
-#: fixture once: a model conversion or a workflow run of a minute or more, not worth making twice.
-SHARED_FIXTURES = {"smollm2_dir": "smollm2", "gemma_dir": "gemma", "trained_run": "trained"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(items):
     for item in items:
-        used = set(getattr(item, "fixturenames", ()))
-        if SLOW_FIXTURES & used:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-        for fixture, group in SHARED_FIXTURES.items():
-            if fixture in used:
-                item.add_marker(pytest.mark.xdist_group(group))
-                break
 
 
 @pytest.fixture(scope="session")
