@@ -59,7 +59,7 @@ def measure(engine: HFEngine, prompt_len: int, rollouts: int, device: str) -> di
 
     for req in first_of_file:  # warm-up: kernels, allocator
         engine.decode_state(req)
-        engine.prefix_state(req, "refeed")
+        engine.prefix_state(req, "refeed_ids")
     row = {"prompt_len": prompt_len, "pivots": len(requests), "kv_files": len(files),
            "prefix_len_mean": statistics.mean(len(r.prefix_ids) for r in requests),
            "kv_file_mb_mean": statistics.mean(Path(f).stat().st_size for f in files) / 2**20}
@@ -69,7 +69,7 @@ def measure(engine: HFEngine, prompt_len: int, rollouts: int, device: str) -> di
     row["exact_state_cold_file_ms"] = per_pivot_ms(cold(engine.decode_state), first_of_file, device)
     row["exact_state_ms"] = per_pivot_ms(engine.decode_state, requests, device)  # file in memory: probe, checks
     row["refeed_prefill_ms"] = per_pivot_ms(lambda r: engine.forwards.prefill(list(r.prefix_ids)), requests, device)
-    row["refeed_state_ms"] = per_pivot_ms(lambda r: engine.prefix_state(r, "refeed"), requests, device)
+    row["refeed_state_ms"] = per_pivot_ms(lambda r: engine.prefix_state(r, "refeed_ids"), requests, device)
     row["one_token_step_ms"] = per_pivot_ms(lambda r: engine.forwards.prefill(list(r.prefix_ids[-1:])), requests,
                                             device)
     return row

@@ -58,11 +58,10 @@ def misordered(paths: list[str | Path]) -> str | None:
     base, which Snakemake cannot know (it merges whatever it is given)."""
     given = [Path(p).resolve() for p in paths]
     for at, path in enumerate(given):
-        base = (yaml.safe_load(path.read_text()) or {}).get(OVERLAY_KEY)
-        if base is not None and (path.parent / base).resolve() not in given[:at]:
-            files = " ".join(str(p) for p in configfiles(path))
-            return (f"{path} is an overlay of {path.parent / base} ({OVERLAY_KEY}), which must come before it: "
-                    f"--configfile {files}")
+        *base, _ = configfiles(path)
+        if base and base[0].resolve() not in given[:at]:
+            return (f"{path} is an overlay of {base[0]} ({OVERLAY_KEY}), which must come before it: "
+                    f"--configfile {' '.join(map(str, base + [path]))}")
     return None
 
 

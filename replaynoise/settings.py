@@ -40,7 +40,7 @@ class EngineSettings:
     def of(cls, settings: Mapping) -> EngineSettings:
         return cls(engine=settings["engine"], dtype=settings["dtype"], device=settings["device"],
                    kernels=settings["kernels"], decode=settings["decode"], cpu_matmul=settings["cpu_matmul"],
-                   stop=tuple(settings.get("stop", ())), invariant_rows=settings.get("invariant_rows"),
+                   stop=tuple(stop_texts(settings)), invariant_rows=settings.get("invariant_rows"),
                    invariant_context=settings.get("invariant_context"))
 
 
@@ -72,4 +72,3 @@ def stop_texts(settings: Mapping) -> list[str]:
 def cross_scoring(analysis: Mapping) -> list[tuple[str, str]]:
     """The (rollouts, scorer) configuration pairs of ``analysis.cross_scoring`` (absent: none)."""
     return [(pair["rollouts"], pair["scorer"]) for pair in analysis.get("cross_scoring", [])]
-

@@ -23,11 +23,10 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from helpers import PACKAGES, REPO  # noqa: E402
+from helpers import PACKAGES, REPO, configuration  # noqa: E402
 
 from replaynoise import replay  # noqa: E402
 from replaynoise.analysis import cache_summary  # noqa: E402
-from replaynoise.config import validate_config  # noqa: E402
 from replaynoise.engines import make_engine  # noqa: E402
 from replaynoise.engines.base import ContinuationRequest, SamplingSettings, VerificationError  # noqa: E402
 from replaynoise.engines.vllm import chained_digests, read_recipe, refeed_salt, rollout_salt  # noqa: E402
@@ -48,7 +47,7 @@ def engine_settings(**changes) -> dict:
                 "device": "cuda" if ON_GPU else "cpu", "temperature": 0.7, "top_p": 1.0, "max_new_tokens": 40,
                 "block_size": 16 if ON_GPU else 32, "kv_cache_gib": 1, "vllm": {"gpu_memory_utilization": None},
                 **changes}
-    return validate_config({"configs": {CONFIG: settings}})["configs"][CONFIG]
+    return configuration(**settings)
 
 
 SETTINGS = engine_settings()
