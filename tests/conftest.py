@@ -12,11 +12,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import PACKAGES, TINY, TINY_MODEL_DIR, TINY_ON_SMOLLM2, seed_model, snakemake
+from helpers import PACKAGES, TINY, TINY_MODEL_DIR, TINY_ON_SMOLLM2, built_once, clone_run, seed_model, snakemake
 from tinymodel import save_tiny_chat_model
 
 from replaynoise.io import sha256_file
@@ -36,8 +36,8 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Iterator[Path]:
     """SmolLM2-135M-Instruct dequantized to bf16 safetensors, through the same code as the prepare_model rule."""
-    out = tmp_path_factory.mktemp("models") / "smollm2-135m-bfloat16"
-    prepare_model("smollm2-135m", "bfloat16", out, PACKAGES)
+    out = built_once(tmp_path_factory, "models/smollm2-135m-bfloat16",
+                     lambda out: prepare_model("smollm2-135m", "bfloat16", out, PACKAGES))
     yield from _unchanged(out)
 
 
@@ -59,8 +59,8 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def tiny_prepared(tiny_model, tmp_path_factory) -> Iterator[Path]:
     """The tiny model as the prepare_model rule leaves it, in a directory named by its model key."""
-    out = tmp_path_factory.mktemp("models") / prepared_model_key(str(tiny_model), "float32")
-    prepare_model(str(tiny_model), "float32", out, PACKAGES)
+    out = built_once(tmp_path_factory, f"models/{prepared_model_key(str(tiny_model), 'float32')}",
+                     lambda out: prepare_model(str(tiny_model), "float32", out, PACKAGES))
     yield from _unchanged(out)
 
 
@@ -73,22 +73,27 @@ def _unchanged(model_dir: Path) -> Iterator[Path]:
     assert not changed, f"a test changed the shared model's files in place: {changed}"
 
 
+def _run(model_dir: Path, config: dict) -> Callable[[Path], None]:
+    def run(workdir: Path) -> None:
+        seed_model(workdir, model_dir)
+        snakemake(workdir, config)
+    return run
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tiny_prepared, tmp_path_factory) -> Path:
-    """A finished, uninterrupted run of the tiny configuration: the reference other runs must reproduce.
+    """A finished, uninterrupted run of the tiny configuration: the reference other runs must reproduce. Made
+    once per session; each worker reads its own copy.
 
     Tests that change files in it restore them; tests that need to break things work on a copy.
     """
-    workdir = tmp_path_factory.mktemp("workflow")
-    seed_model(workdir, tiny_prepared)
-    snakemake(workdir, TINY)
-    return workdir
+    run = built_once(tmp_path_factory, "workflow-tiny", _run(tiny_prepared, TINY))
+    return clone_run(run, tmp_path_factory.mktemp("workflow") / "tiny")
 
 
 @pytest.fixture(scope="session")
 def smollm2_run(smollm2_dir, tmp_path_factory) -> Path:
-    """The tiny configuration run on SmolLM2, for the claims about a real model's numbers."""
-    workdir = tmp_path_factory.mktemp("workflow-smollm2")
-    seed_model(workdir, smollm2_dir)
-    snakemake(workdir, TINY_ON_SMOLLM2)
-    return workdir
+    """The tiny configuration run on SmolLM2, for the claims about a real model's numbers (made once per
+    session; each worker reads its own copy)."""
+    run = built_once(tmp_path_factory, "workflow-smollm2", _run(smollm2_dir, TINY_ON_SMOLLM2))
+    return clone_run(run, tmp_path_factory.mktemp("workflow-smollm2") / "smollm2")

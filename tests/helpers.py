@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import yaml
+from filelock import FileLock
 
 from replaynoise.config import validate_config
 
@@ -94,6 +95,24 @@ def copy_linking(src: Path, dest: Path, link: Callable[[Path], bool], **copytree
 
     shutil.copytree(src, dest, copy_function=link_or_copy, **copytree_args)
     return dest
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """``name`` (a path relative to the session's temporary folder) made by ``build`` once per test session.
+    Under pytest -n the workers share one folder and whichever asks first builds while the others wait on its
+    lock (pytest-xdist's recipe): a model conversion or a workflow run of a minute or more is not repeated on each
+    worker. What one worker's tests may change must reach them as a private copy (``clone_run``)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # a worker's own folder is popen-gwN inside the session's
+    out, done = root / name, root / f"{name}.done"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{out}.lock"):
+        if not done.is_file():
+            shutil.rmtree(out, ignore_errors=True)  # what a worker that failed to build it left
+            build(out)
+            done.touch()
+    return out
 
 
 def seed_model(workdir: Path, model_dir: Path) -> None:

@@ -24,10 +24,11 @@ EXTRA_ENVS = {env: reqs for reqs, env, _, _ in VLLM_EXTRAS.values()}
 ENV_FILES = sorted((REPO / "envs").glob("*.yaml"))
 CORE_ENV_FILES = [p for p in ENV_FILES if p not in EXTRA_ENVS]
 RULE_FILES = sorted((REPO / "workflow" / "rules").glob("*.smk"))
-#: Pinned in requirements.txt but not needed inside the rule envs: pytest (with pytest-xdist) runs the test suite,
-#: and snakemake is the driver (it puts itself on a rule script's sys.path through the script preamble; the scripts
-#: import nothing from it, which test_driver_only_pins_are_not_imported_in_rule_code checks).
-TEST_ONLY = {"pytest", "pytest-xdist"}
+#: Pinned in requirements.txt but not needed inside the rule envs: pytest (with pytest-xdist, and filelock for the
+#: fixtures its workers share) runs the test suite, and snakemake is the driver (it puts itself on a rule script's
+#: sys.path through the script preamble; the scripts import nothing from it, which
+#: test_driver_only_pins_are_not_imported_in_rule_code checks).
+TEST_ONLY = {"pytest", "pytest-xdist", "filelock"}
 DRIVER_ONLY = {"snakemake", "snakemake-executor-plugin-slurm", "snakemake-executor-plugin-slurm-jobstep"}
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s=<>!~;]+)$")
 CONDA_DIRECTIVE = re.compile(r"^\s*conda:\s*\n\s*[\"']([^\"']+)[\"']", re.MULTILINE)

@@ -3,11 +3,12 @@ random one trained for three steps, so nothing here is a claim about learning.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import polars as pl
 import pytest
-from helpers import planned_rules, snakemake, with_setting
+from helpers import built_once, clone_run, planned_rules, snakemake, with_setting
 from tinymodel import save_tiny_chat_model
 from transformers import TrainerCallback
 
@@ -30,6 +31,7 @@ TRAIN = {"dataset": "simple_addsub", "steps": 3, "prompts_per_step": 4, "generat
 #: the schema's defaults of the keys TRAIN leaves out, and the prompt of the runs below
 TRAIN_DEFAULTS = {"method": "grpo", "kl_coef": 0.04, "temperature": 1.0, "seed": 0}
 PROMPT = {"style": "chat", "instruction": "Answer."}
+PLANNED = "planned-rules.json"  # beside the run: the rules its first dry run planned
 
 
 def run_config(model: Path) -> dict:
@@ -47,15 +49,19 @@ def run_config(model: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory) -> tuple[Path, dict, set[str]]:
-    """A finished run of the default target, and the rules a dry run planned before it. Session-scoped: under
-    pytest -n a worker runs other modules' tests between these, and a module's fixture is made again each time its
-    module comes back (the tests only read the run, or plan on it)."""
-    model = save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
-    workdir = tmp_path_factory.mktemp("trained-run")
+    """A finished run of the default target, and the rules a dry run planned before it: made once per session
+    (under pytest -n, by one worker for all), each worker reading its own copy."""
+    model = built_once(tmp_path_factory, "trained-run-model", save_tiny_chat_model)
     config = run_config(model)
-    planned = planned_rules(workdir, config)
-    snakemake(workdir, config)
-    return workdir, config, planned
+
+    def run(workdir: Path) -> None:
+        workdir.mkdir()
+        planned = planned_rules(workdir, config)
+        (workdir / PLANNED).write_text(json.dumps(sorted(planned)))
+        snakemake(workdir, config)
+
+    workdir = clone_run(built_once(tmp_path_factory, "trained-run", run), tmp_path_factory.mktemp("trained") / "run")
+    return workdir, config, set(json.loads((workdir / PLANNED).read_text()))
 
 
 def model_dirs(workdir: Path) -> dict[str, Path]:
