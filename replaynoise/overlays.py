@@ -58,10 +58,10 @@ def misordered(paths: list[str | Path]) -> str | None:
     base, which Snakemake cannot know (it merges whatever it is given)."""
     given = [Path(p).resolve() for p in paths]
     for at, path in enumerate(given):
-        *base, _ = configfiles(path)
-        if base and base[0].resolve() not in given[:at]:
-            return (f"{path} is an overlay of {base[0]} ({OVERLAY_KEY}), which must come before it: "
-                    f"--configfile {' '.join(map(str, base + [path]))}")
+        files = configfiles(path)
+        if len(files) == 2 and files[0].resolve() not in given[:at]:
+            return (f"{path} is an overlay of {files[0]} ({OVERLAY_KEY}), which must come before it: "
+                    f"--configfile {' '.join(map(str, files))}")
     return None
 
 
