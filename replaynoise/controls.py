@@ -18,8 +18,9 @@ import numpy as np
 import polars as pl
 
 from replaynoise.channels import row_identity
+from replaynoise.disagreement import disagree
 from replaynoise.passes import pass_spec
-from replaynoise.stats import Clusters, disagree, ratio_stat
+from replaynoise.stats import Clusters, ratio_stat
 
 _KEYS = ("pivot_id", "branch", "k")
 #: channels compared row by row (continuations) and pivot by pivot (the estimate)

@@ -18,10 +18,10 @@ import polars as pl
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from replaynoise.analysis import eligible_frame
+from replaynoise.conditionings import eligible_frame
+from replaynoise.disagreement import disagree
 from replaynoise.io import atomic_path
 from replaynoise.passes import pass_spec
-from replaynoise.stats import disagree
 
 PNG_METADATA = {"Software": None}
 PDF_METADATA = {"CreationDate": None, "Producer": None, "Creator": None}

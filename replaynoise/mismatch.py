@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 import polars as pl
-import statsmodels.api as sm
 from scipy.stats import mannwhitneyu
+from statsmodels.discrete.discrete_model import Logit
+from statsmodels.tools.tools import add_constant
 
-from replaynoise.analysis import CONDITIONINGS, select_pivots, wide_frame
-from replaynoise.stats import disagree
+from replaynoise.conditionings import CONDITIONINGS, select_pivots, wide_frame
+from replaynoise.disagreement import disagree
 
 #: The frameworks' metric names, in the order the tables show them.
 METRICS = ("rollout_probs_diff_max", "rollout_probs_diff_mean", "rollout_probs_diff_std",
@@ -146,7 +147,7 @@ def logit_link(flip: np.ndarray, metric: np.ndarray, clusters: np.ndarray, ci: f
         return out
     z = (x - x.mean()) / x.std()
     try:
-        fit = sm.Logit(flip.astype(np.float64), sm.add_constant(z)).fit(
+        fit = Logit(flip.astype(np.float64), add_constant(z)).fit(
             disp=0, cov_type="cluster", cov_kwds={"groups": clusters})
     except (np.linalg.LinAlgError, ValueError) as exc:  # statsmodels' perfect separation is a ValueError
         out["reason"] = f"the fit failed: {exc}"

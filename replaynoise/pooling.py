@@ -8,7 +8,8 @@ from typing import Any
 
 import polars as pl
 
-from replaynoise.analysis import CONDITIONING_DEFINITIONS, CONDITIONINGS, compare_passes, comparison_settings
+from replaynoise.analysis import compare_passes, comparison_settings
+from replaynoise.conditionings import CONDITIONING_DEFINITIONS, CONDITIONINGS
 from replaynoise.plan import POOL_KEYS
 
 #: The pooled comparison's probe note: the probe needs each configuration's pass rows.

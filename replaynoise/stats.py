@@ -5,7 +5,7 @@ analysis (``replaynoise.analysis``) can apply it to any conditioning and either 
 own runs and to the paper's published records alike. A number that cannot mean anything (no problems, zero
 variance, no discordant pair) is reported as ``None`` with a reason, never as a misleading value.
 
-This module sits below analysis.py: it imports nothing of the package.
+This module sits below analysis.py: of the package it imports only the disagreement metrics.
 """
 
 from __future__ import annotations
@@ -17,22 +17,18 @@ from typing import Any
 
 import numpy as np
 import polars as pl
-import statsmodels.api as sm
 from scipy import stats as sps
+from statsmodels.regression.linear_model import OLS
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.weightstats import DescrStatsW
+
+from replaynoise.disagreement import disagree
 
 #: Tolerance of the |Â| >= θ test; Â and lattice thresholds are exact, a user θ like 0.5 may not be.
 THETA_EPS = 1e-9
 #: Below this a cluster-robust SE is treated as exactly zero (it only arises from exact cancellation).
 SE_ZERO = 1e-12
 
-#: Disagreement metrics: the paper's (pre-registered) sign metric first, then ours.
-METRICS = ("sign", "value")
-METRIC_DEFINITIONS = {
-    "sign": "the paper's: sign(A_a) != sign(A_b); two different nonzero values of one sign agree",
-    "value": "ours: A_a != A_b; a same-sign change of magnitude is a disagreement",
-}
 #: The probe columns a pass frame may carry (filled on the k == 0 row of each pivot and branch).
 PROBE_COLUMNS = ("probe_ids", "probe_logprob")
 #: The normal 95% quantile as the paper writes it (1.96, not 1.95996...): at the paper's rounding the two give
@@ -48,21 +44,6 @@ def json_number(x: Any) -> float | None:
         return None
     x = float(x)
     return x if math.isfinite(x) else None
-
-
-def check_metric(metric: str) -> str:
-    if metric not in METRICS:
-        raise ValueError(f"unknown disagreement metric {metric!r}; expected one of {METRICS}")
-    return metric
-
-
-def disagree(a: np.ndarray, b: np.ndarray, metric: str) -> np.ndarray:
-    """Per pivot, whether two estimates disagree under ``metric`` (exact comparisons: Â lives on a lattice)."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    if check_metric(metric) == "sign":
-        return np.sign(a) != np.sign(b)
-    return a != b
 
 
 # --------------------------------------------------------------------------------------- kinds of change
@@ -375,7 +356,7 @@ def cluster_ols_mean(y: np.ndarray, groups: np.ndarray, ci: float = 0.95) -> dic
         out.update(se=0.0, df=n_clusters - 1, reason="all values equal: SE is 0, t undefined")
         return out
     codes = np.unique(groups, return_inverse=True)[1]
-    res = sm.OLS(y, np.ones((n, 1))).fit(cov_type="cluster", cov_kwds={"groups": codes}, use_t=True)
+    res = OLS(y, np.ones((n, 1))).fit(cov_type="cluster", cov_kwds={"groups": codes}, use_t=True)
     se = float(res.bse[0])
     out["df"] = n_clusters - 1
     if se < SE_ZERO:

@@ -14,9 +14,9 @@ from typing import Any
 
 import polars as pl
 
-from replaynoise.analysis import CONDITIONINGS
+from replaynoise.conditionings import CONDITIONINGS
+from replaynoise.disagreement import check_metric
 from replaynoise.io import write_text
-from replaynoise.stats import check_metric
 from replaynoise.summary import NA, aligned
 
 #: The paper's figures (method.md section 5; abstract of arXiv 2606.15621). Shares are fractions, excess is pp.

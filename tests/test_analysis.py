@@ -9,15 +9,16 @@ import polars as pl
 import pytest
 from scipy import stats
 
-from replaynoise.analysis import CONDITIONINGS, compare_passes, too_few_note, wide_frame
+from replaynoise.analysis import compare_passes, too_few_note
 from replaynoise.channels import assert_all_identical, channel_agreement, lists_bitwise_equal
+from replaynoise.conditionings import CONDITIONINGS, wide_frame
 from replaynoise.credit import CREDIT_COLUMNS, compute_credit
+from replaynoise.disagreement import disagree
 from replaynoise.pooling import POOLED_PROBE_REASON, pool_credit, pooled_comparison
 from replaynoise.stats import (
     Clusters,
     classify_changes,
     cluster_ols_mean,
-    disagree,
     eligibility_sources,
     jaccard,
     lattice_thetas,

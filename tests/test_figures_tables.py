@@ -9,7 +9,8 @@ import polars as pl
 import pytest
 
 from replaynoise import figures
-from replaynoise.analysis import CONDITIONINGS, compare_passes
+from replaynoise.analysis import compare_passes
+from replaynoise.conditionings import CONDITIONINGS
 from replaynoise.credit import CREDIT_COLUMNS
 from replaynoise.summary import run_summary
 from replaynoise.tables import (

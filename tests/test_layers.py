@@ -14,9 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "replaynoise"
 #: Bottom to top. A module may import only modules of earlier layers (or of its own package's base).
 LAYERS = [
-    ["io", "logs", "overlays", "progress", "seeds", "shards", "passes", "stats", "summary"],
-    ["packages", "plan", "grading", "prompts", "training_log", "pivots", "credit", "cost", "channels",
-     "engines.sampling", "engines.base"],
+    ["io", "logs", "overlays", "progress", "seeds", "shards", "passes", "disagreement", "summary"],
+    ["stats", "conditionings", "packages", "plan", "grading", "prompts", "training_log", "pivots", "credit", "cost",
+     "channels", "engines.sampling", "engines.base"],
     ["datasets", "loading", "settings"],
     ["models", "engines.kvfiles", "engines.cpu_matmul", "engines.kernels", "engines.vllm", "engines.vllm_build"],
     ["engines.static"],
