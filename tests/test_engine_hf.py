@@ -1,4 +1,6 @@
-"""The HF engine on a real model (SmolLM2-135M, bf16, CPU): decode-time KV capture, verification, the passes."""
+"""The HF engine: decode-time KV capture, verification and the passes. The claims about a real model's numbers
+run on SmolLM2-135M (bf16, CPU); the passes' mechanics (schedules, resume, seeds, what each pass asks for) on
+the tiny model, where they take a second rather than a minute."""
 
 from __future__ import annotations
 
@@ -65,6 +67,17 @@ def stock(smollm2_dir, tmp_path_factory):
     return engine, frame, pivots, out
 
 
+#: The tiny model answers in digits only: its pivots lie inside the answer span, at any margin.
+TINY_RULES = PivotRules(max_margin=1.0, per_rollout=2, exclude_answer_span=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_stock(tiny_prepared, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-stock")
+    engine, frame, pivots = campaign(tiny_prepared, out, "stock", rules=TINY_RULES)
+    return engine, frame, pivots, out
+
+
 def test_rollouts_hold_real_continuations_and_kv(stock):
     engine, frame, pivots, _ = stock
     assert frame.height == 3
@@ -110,15 +123,15 @@ def test_refeed_differs_from_exact_on_bf16(stock):
     assert (joined["next_digest"] != joined["next_digest_r"]).any()
 
 
-def test_common_random_numbers_make_two_runs_of_a_pass_bitwise_equal(stock, smollm2_dir, tmp_path):
-    _, frame, pivots, _ = stock
-    first = run(engine_for(smollm2_dir), frame, pivots, "replica", tmp_path / "a")
-    second = run(engine_for(smollm2_dir), frame, pivots, "replica", tmp_path / "b")
+def test_common_random_numbers_make_two_runs_of_a_pass_bitwise_equal(tiny_stock, tiny_prepared, tmp_path):
+    _, frame, pivots, _ = tiny_stock
+    first = run(engine_for(tiny_prepared), frame, pivots, "replica", tmp_path / "a")
+    second = run(engine_for(tiny_prepared), frame, pivots, "replica", tmp_path / "b")
     assert first.equals(second)
 
 
-def test_replica_meets_other_batch_compositions(stock):
-    _, frame, pivots, _ = stock
+def test_replica_meets_other_batch_compositions(tiny_stock):
+    _, frame, pivots, _ = tiny_stock
     n = 2 * K * pivots.height
     exact = replay.make_schedule(n, 4, replay.schedule_seed(SEED, "t", "exact"))
     replica = replay.make_schedule(n, 4, replay.schedule_seed(SEED, "t", "replica"))
@@ -126,8 +139,8 @@ def test_replica_meets_other_batch_compositions(stock):
     assert sorted(i for b in replica for i in b) == list(range(n))
 
 
-def test_the_restep_channel_is_measured_once_per_pivot_on_its_first_scheduled_row(stock, tmp_path):
-    engine, frame, pivots, _ = stock
+def test_the_restep_channel_is_measured_once_per_pivot_on_its_first_scheduled_row(tiny_stock, tmp_path):
+    engine, frame, pivots, _ = tiny_stock
     exact = run(engine, frame, pivots, "exact", tmp_path, batch_size=4)
     measured = exact.filter(pl.col("restep_match").is_not_null())
     assert sorted(measured["pivot_id"]) == sorted(pivots["pivot_id"])  # one row per pivot, every pivot
@@ -142,15 +155,15 @@ def test_the_restep_channel_is_measured_once_per_pivot_on_its_first_scheduled_ro
     assert not any(r.restep for r in replay.with_restep_once(requests, []))  # probes: none
 
 
-def test_a_pass_logs_where_its_time_went(stock, tmp_path, capsys):
-    engine, frame, pivots, _ = stock
+def test_a_pass_logs_where_its_time_went(tiny_stock, tmp_path, capsys):
+    engine, frame, pivots, _ = tiny_stock
     run(engine, frame, pivots, "refeed", tmp_path, batch_size=4)
     line = [x for x in capsys.readouterr().err.splitlines() if "time by phase" in x][-1]
     assert all(phase in line for phase in ("prefix states", "decode", "grade", "write (beside the engine)"))
 
 
-def test_interrupted_pass_resumes_without_redoing_batches(stock, tmp_path):
-    engine, frame, pivots, _ = stock
+def test_interrupted_pass_resumes_without_redoing_batches(tiny_stock, tmp_path):
+    engine, frame, pivots, _ = tiny_stock
     whole = run(engine, frame, pivots, "exact", tmp_path / "whole", batch_size=4)
     work = tmp_path / "resumed" / "exact"
     run(engine, frame, pivots, "exact", tmp_path / "resumed", batch_size=4)
@@ -233,11 +246,11 @@ def test_invariant_mode_makes_all_passes_bitwise_identical(tiny_prepared, tmp_pa
     assert any(max(d) > 0.0 for d in refeed["kv_maxdiff"] if d is not None)
 
 
-def test_serial_pass_runs_one_request_at_a_time_on_a_seeded_sample(stock, tmp_path):
+def test_serial_pass_runs_one_request_at_a_time_on_a_seeded_sample(tiny_stock, tmp_path):
     """serial: exact resume with batches of one request, on serial_pivots pivots chosen by the seed alone (the
     same sample on a rerun and on a resume), every row verified; its channels are compared with exact's rows of
     those pivots only."""
-    engine, frame, pivots, _ = stock
+    engine, frame, pivots, _ = tiny_stock
     serial = run(engine, frame, pivots, "serial", tmp_path / "a", batch_size=8, serial_pivots=2)
     assert set(serial["batch_size"]) == {1} and serial["verified"].all()
     assert serial["pivot_id"].n_unique() == 2 and serial.height == 2 * 2 * K
@@ -254,10 +267,10 @@ def test_serial_pass_runs_one_request_at_a_time_on_a_seeded_sample(stock, tmp_pa
                         sampling=CONTINUE, batch_size=8, work_dir=tmp_path / "c")
 
 
-def test_refeed_replica_is_the_refeed_again_in_other_batches(stock, tmp_path):
+def test_refeed_replica_is_the_refeed_again_in_other_batches(tiny_stock, tmp_path):
     """refeed_replica: the same requests and noise as refeed, packed by its own schedule seed, its prefixes
     prefilled anew (the prefix_source column names the tag that keeps them apart in a shared cache)."""
-    engine, frame, pivots, _ = stock
+    engine, frame, pivots, _ = tiny_stock
     refeed = run(engine, frame, pivots, "refeed", tmp_path, batch_size=3)
     again = run(engine, frame, pivots, "refeed_replica", tmp_path, batch_size=3)
     assert set(again["prefix_source"]) == {"refeed_ids#replica"} and set(refeed["prefix_source"]) == {"refeed_ids"}
@@ -265,8 +278,8 @@ def test_refeed_replica_is_the_refeed_again_in_other_batches(stock, tmp_path):
     assert set(again["schedule_seed"]) != set(refeed["schedule_seed"])
 
 
-def test_refeed_text_pass_retokenizes_the_prefix_text(stock):
-    engine, frame, pivots, out = stock
+def test_refeed_text_pass_retokenizes_the_prefix_text(tiny_stock):
+    engine, frame, pivots, out = tiny_stock
     requests = replay.build_requests(pivots, frame, pass_name="refeed_text", k=1, seed=SEED, config_name="t",
                                      tokenizer=engine.tokenizer)
     for req in requests:
@@ -281,10 +294,10 @@ def test_refeed_text_pass_retokenizes_the_prefix_text(stock):
     assert rows.sort("pivot_id", "branch", "k")["seed"].equals(exact["seed"])
 
 
-def test_equal_caches_give_byte_identical_kv_files(stock, tmp_path):
+def test_equal_caches_give_byte_identical_kv_files(tiny_stock, tmp_path):
     """The manifest compares runs by checksum, so a stored cache must not carry run-to-run noise
     (safetensors writes metadata in hash-map order, which changes from one save to the next)."""
-    _, frame, _, _ = stock
+    _, frame, _, _ = tiny_stock
     layers = load_kv(frame.filter(pl.col("kv_file").is_not_null())["kv_file"][0])
     copies = set()
     for i in range(16):
