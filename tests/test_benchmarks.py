@@ -1,5 +1,6 @@
 """The benchmarks read what the library logs: the two must agree on the lines' form, or a GPU lease measures
-nothing. And the roofline arithmetic of benchmarks/scale.py, checked against a published parameter count."""
+nothing. And the roofline arithmetic of benchmarks/scale.py, checked against a published parameter count, and the
+test-suite timeline of benchmarks/suite_times.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from replaynoise.progress import Phases, TokenProgress
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import pipeline  # noqa: E402
 import scale  # noqa: E402
+import suite_times  # noqa: E402
 
 
 def test_the_benchmark_reads_the_loop_lines_the_library_writes(tmp_path, capsys):
@@ -62,3 +64,17 @@ def test_the_roofline_fractions_follow_from_the_logged_decode(tmp_path):
     assert got["compute_fraction"] == pytest.approx(2048 * 400 / 40 * flop / scale.PEAK_FLOPS)
     floor = (costs["weight_bytes"] + 1024 * 300 * costs["kv_bytes_per_token"]) / scale.PEAK_BYTES
     assert got["memory_fraction"] == pytest.approx(floor / 0.05)
+
+
+def test_the_suite_timeline_pairs_each_test_s_start_and_end_per_worker(tmp_path, monkeypatch):
+    monkeypatch.setenv(suite_times.RECORD_DIR, str(tmp_path))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    suite_times.pytest_runtest_logstart("t.py::short", None)
+    suite_times.pytest_runtest_logfinish("t.py::short", None)
+    written = [line.split("\t")[1:] for line in (tmp_path / "gw1.tsv").read_text().splitlines()]
+    assert written == [["start", "t.py::short"], ["end", "t.py::short"]]
+    (tmp_path / "gw1.tsv").write_text("101.0\tstart\tt.py::short\n102.0\tend\tt.py::short\n")
+    (tmp_path / "gw0.tsv").write_text("100.0\tstart\tt.py::long\n130.5\tend\tt.py::long\n")
+    finished, long_tests = suite_times._timeline(tmp_path, started=90.0)
+    assert finished == {"gw0": 40.5, "gw1": 12.0}
+    assert long_tests == [{"test": "t.py::long", "worker": "gw0", "start_s": 10.0, "end_s": 40.5, "seconds": 30.5}]
