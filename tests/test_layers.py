@@ -89,6 +89,14 @@ def test_a_step_s_code_version_follows_its_script_s_imports(tmp_path):
     assert source_digest(script, tmp_path) != before  # imported through high: rerun
 
 
+@pytest.mark.parametrize("script", ["figure", "headline_tables"])
+def test_figure_and_table_steps_do_not_load_the_statistics(script):
+    """A figure or table job selects pivots (conditionings) and counts disagreements (disagreement) without
+    importing stats or analysis, whose statsmodels and scipy imports would double the job's start-up."""
+    closure = {path.name for path in import_closure(REPO / "workflow" / "scripts" / f"{script}.py", REPO)}
+    assert not closure & {"stats.py", "analysis.py", "mismatch.py"}, sorted(closure)
+
+
 def _dataclass_fields() -> dict[str, tuple[str, ...]]:
     """{module.Class: its own annotated fields} of every dataclass in the package."""
     found = {}
