@@ -217,14 +217,12 @@ def engine_for_same(engine):
     return HFEngine(engine.model, engine.tokenizer, kernels="stock", topk=engine.topk)
 
 
-def test_invariant_mode_makes_all_passes_bitwise_identical(tiny_prepared, tmp_path):
+def test_invariant_mode_makes_all_passes_bitwise_identical(tiny_prepared, tiny_stock, tmp_path):
     """The three passes, the re-feed's replica and the serial pass (one request per batch, on a sample of the
     pivots): under invariant kernels every channel of every pair is the same bit for bit. On the tiny model in
     bf16, whose re-fed KV stock kernels do move (the control at the end; how far that moves a real model's
     tokens: ``test_refeed_differs_from_exact_on_bf16`` on SmolLM2)."""
-    # the tiny model answers in digits only: pivots inside the answer span, at any margin
-    rules = PivotRules(max_margin=1.0, per_rollout=2, exclude_answer_span=False)
-    engine, frame, pivots = campaign(tiny_prepared, tmp_path, "invariant", n_problems=3, rules=rules)
+    engine, frame, pivots = campaign(tiny_prepared, tmp_path, "invariant", n_problems=3, rules=TINY_RULES)
     passes = {name: run(engine, frame, pivots, name, tmp_path, batch_size=3)
               for name in ("exact", "replica", "refeed", "refeed_replica", "serial")}
     assert set(passes["serial"]["batch_size"]) == {1}
@@ -240,8 +238,8 @@ def test_invariant_mode_makes_all_passes_bitwise_identical(tiny_prepared, tmp_pa
     assert mismatch.height == 2 * pivots.height and set(mismatch["share_identical"].drop_nulls()) == {1.0}
     assert set(mismatch["k3_kl"].drop_nulls()) == set(mismatch["rollout_probs_diff_max"].drop_nulls()) == {0.0}
     # the control: stock kernels on the same model do move the re-fed prefix's KV, so its zero drift above is
-    # the kernels' doing
-    engine, frame, pivots = campaign(tiny_prepared, tmp_path / "stock", "stock", n_problems=3, rules=rules)
+    # the kernels' doing (the same problems, seed and rules under stock kernels: tiny_stock's campaign)
+    engine, frame, pivots, _ = tiny_stock
     refeed = run(engine, frame, pivots, "refeed", tmp_path / "stock", batch_size=3)
     assert any(max(d) > 0.0 for d in refeed["kv_maxdiff"] if d is not None)
 
