@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from replaynoise.provenance import git_commit
 
 REPO = Path(__file__).resolve().parents[1]
 #: Where the plugin writes its per-worker records (set by the driver below, read in the workers).
@@ -81,9 +84,6 @@ def main() -> int:
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     out, args = Path(sys.argv[1]), sys.argv[2:] or ["-n", "auto"]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip())
     command = [sys.executable, "-m", "pytest", "-p", "suite_times", *args]
     with tempfile.TemporaryDirectory() as folder:
         paths = [str(REPO / "benchmarks"), os.environ.get("PYTHONPATH")]
@@ -100,8 +100,9 @@ def main() -> int:
         wall = time.time() - started
         done.set()
         finished, long_tests = _timeline(Path(folder), started)
-    summary = next((line.strip("= ") for line in reversed(tail) if line.startswith("=") and " in " in line), "")
-    record = {"commit": commit, "dirty": dirty, "command": ["python", "-m", "pytest", *args],
+    summary = next((line.strip("= ") for line in reversed(tail)  # framed by "=" unless -q
+                    if re.search(r"\b(passed|failed|errors?|skipped)\b.* in [\d.]+s", line)), "")
+    record = {**git_commit(REPO), "command": ["python", "-m", "pytest", *args],
               "exit_status": proc.returncode, "wall_s": round(wall, 1), "summary": summary,
               "cpu_count": os.cpu_count(),
               "cores_busy_share": round(sum(shares) / len(shares), 3) if shares else None,
