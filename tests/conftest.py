@@ -4,6 +4,7 @@ The helpers the tests share are in helpers.py."""
 
 from __future__ import annotations
 
+import json
 import os
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -27,10 +28,24 @@ from replaynoise.models import prepare_model, prepared_model_key
 SLOW_FIXTURES = {"smollm2_dir", "gemma_dir", "trained_run"}
 
 
+#: Seconds of the tests that took 5 s or more in a whole run on 2 cores (benchmarks/suite_times.py --durations).
+DURATIONS = json.loads((Path(__file__).parent / "durations.json").read_text())["seconds"]
+
+
+def pytest_configure(config):
+    # Under pytest -n, xdist hands a worker one test at a time (by default each gets a quarter of its share at
+    # once), so the order below holds.
+    if getattr(config.option, "maxschedchunk", False) is None:
+        config.option.maxschedchunk = 1
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    # The longest first, the rest in collected order: a two-minute test handed out last would leave the other
+    # worker idle for most of it. A test missing from DURATIONS only runs later.
+    items.sort(key=lambda item: -DURATIONS.get(item.nodeid, 0.0))
 
 
 @pytest.fixture(scope="session")

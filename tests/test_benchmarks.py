@@ -78,3 +78,9 @@ def test_the_suite_timeline_pairs_each_test_s_start_and_end_per_worker(tmp_path,
     finished, long_tests = suite_times._timeline(tmp_path, started=90.0)
     assert finished == {"gw0": 40.5, "gw1": 12.0}
     assert long_tests == [{"test": "t.py::long", "worker": "gw0", "start_s": 10.0, "end_s": 40.5, "seconds": 30.5}]
+    record = {"commit": "abc", "dirty": False, "command": ["python", "-m", "pytest"], "cpu_count": 2, "wall_s": 41.0,
+              "summary": "2 passed"}
+    assert suite_times.durations_record(record, long_tests) == {
+        "measured": {"commit": "abc", "dirty": False, "command": ["python", "-m", "pytest"], "cpu_count": 2,
+                     "wall_s": 41.0},
+        "seconds": {"t.py::long": 30.5}}
