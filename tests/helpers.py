@@ -50,10 +50,9 @@ EXACT_PATH_FILES = ["rollouts/tiny/rollouts.parquet", "pivots/tiny.parquet", "pa
                     "credit/tiny/exact.parquet"]
 
 #: The same configuration on the packaged SmolLM2 (30 layers, bf16), for the claims about a real model's numbers
-#: (its text, its first steps and KV, its prefix mismatch), at a fraction of the cost: the paper's three passes,
-#: continuations of six tokens (SmolLM2 decodes about 20 tokens a second on one CPU thread), and one shard a step
-#: (the tiny run scatters and gathers; a shard changes no result, tests/test_sharding.py; each model job on
-#: SmolLM2 starts in some 5 s).
+#: (its text, its first steps and KV, its prefix mismatch), with no more model work than they read: the paper's
+#: three passes, continuations of six tokens, and one shard a step (the tiny run scatters and gathers, and a shard
+#: changes no result: tests/test_sharding.py).
 SMOLLM2 = {"model": "smollm2-135m", "dtype": "bfloat16", "max_new_tokens": 24}
 TINY_ON_SMOLLM2 = {**TINY, "configs": {"tiny": SMOLLM2},
                    "replay": {**TINY["replay"], "max_new_tokens": 6, "passes": ["exact", "replica", "refeed"]},
