@@ -9,8 +9,9 @@ Snakemake's orphaned jobs nor what Slurm runs, so it understates how busy the co
 and writes OUT_JSON: commit, command, exit status, wall seconds, the pytest summary line, the cores' mean busy
 share, when each worker finished, and every test that took 20 s or more (start, end, worker).
 
-With ``--durations FILE`` it also writes the seconds of every test that took ``DURATION_S`` or more: the file
-``tests/conftest.py`` reads to hand the longest tests out first (``tests/durations.json``).
+With ``--durations FILE`` (right after OUT_JSON) a run that passed also writes the seconds of every test that
+took ``DURATION_S`` or more: the file ``tests/conftest.py`` reads to hand the longest tests out first
+(``tests/durations.json``). Give it the whole suite: a test the run left out drops to the back of the order.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def _sample_busy(shares: list[float], done: threading.Event, every: float = 5.0)
 def _timeline(folder: Path, started: float) -> tuple[dict[str, float], list[dict]]:
     """When each worker finished (seconds after the start), and the tests that took ``DURATION_S`` or more."""
     finished, long_tests = {}, []
-    for path in sorted(folder.glob("gw*.tsv")):
+    # gw0, gw1, ... under -n (where xdist's controller writes main.tsv too, as the workers' reports arrive); main
+    # alone without it
+    for path in sorted(folder.glob("gw*.tsv")) or sorted(folder.glob("main.tsv")):
         worker, opened = path.stem, {}
         for line in path.read_text().splitlines():
             stamp, kind, nodeid = line.split("\t")
@@ -98,6 +101,8 @@ def main() -> int:
     out, args = Path(sys.argv[1]), sys.argv[2:]
     durations = None
     if args[:1] == ["--durations"]:
+        if len(args) < 2 or args[1].startswith("-"):
+            sys.exit("--durations needs the file to write (tests/durations.json), right after OUT_JSON")
         durations, args = Path(args[1]), args[2:]
     args = args or ["-n", "auto"]
     command = [sys.executable, "-m", "pytest", "-p", "suite_times", *args]
@@ -127,7 +132,7 @@ def main() -> int:
               "slurm_required": os.environ.get("REPLAYNOISE_REQUIRE_SLURM") == "1"}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
-    if durations is not None:
+    if durations is not None and proc.returncode == 0:  # a failed run's seconds would reorder the suite by a fault
         durations.write_text(json.dumps(durations_record(record, long_tests), indent=1) + "\n")
     print(f"{summary}\nwall {wall:.0f} s ({wall // 60:.0f} min {wall % 60:.0f} s), cores busy "
           f"{record['cores_busy_share']}, workers finished at {finished} s; exit {proc.returncode}")

@@ -33,8 +33,8 @@ DURATIONS = json.loads((Path(__file__).parent / "durations.json").read_text())["
 
 
 def pytest_configure(config):
-    # Under pytest -n, xdist hands a worker one test at a time (by default each gets a quarter of its share at
-    # once), so the order below holds.
+    # Under pytest -n, xdist tops a worker up one test at a time as it frees (each keeps two queued; by default
+    # each gets a quarter of its share at once), so the order below holds.
     if getattr(config.option, "maxschedchunk", False) is None:
         config.option.maxschedchunk = 1
 

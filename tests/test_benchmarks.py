@@ -73,14 +73,22 @@ def test_the_suite_timeline_pairs_each_test_s_start_and_end_per_worker(tmp_path,
     suite_times.pytest_runtest_logfinish("t.py::short", None)
     written = [line.split("\t")[1:] for line in (tmp_path / "gw1.tsv").read_text().splitlines()]
     assert written == [["start", "t.py::short"], ["end", "t.py::short"]]
-    (tmp_path / "gw1.tsv").write_text("101.0\tstart\tt.py::short\n102.0\tend\tt.py::short\n")
+    (tmp_path / "gw1.tsv").write_text("101.0\tstart\tt.py::short\n102.0\tend\tt.py::short\n"
+                                      "102.0\tstart\tt.py::middling\n110.0\tend\tt.py::middling\n")
     (tmp_path / "gw0.tsv").write_text("100.0\tstart\tt.py::long\n130.5\tend\tt.py::long\n")
+    (tmp_path / "main.tsv").write_text("100.1\tstart\tt.py::long\n131.0\tend\tt.py::long\n")  # the controller's
     finished, long_tests = suite_times._timeline(tmp_path, started=90.0)
-    assert finished == {"gw0": 40.5, "gw1": 12.0}
-    assert long_tests == [{"test": "t.py::long", "worker": "gw0", "start_s": 10.0, "end_s": 40.5, "seconds": 30.5}]
+    assert finished == {"gw0": 40.5, "gw1": 20.0}
+    assert long_tests == [{"test": "t.py::long", "worker": "gw0", "start_s": 10.0, "end_s": 40.5, "seconds": 30.5},
+                          {"test": "t.py::middling", "worker": "gw1", "start_s": 12.0, "end_s": 20.0, "seconds": 8.0}]
+    serial = tmp_path / "serial"  # without -n: the one process's record
+    serial.mkdir()
+    (serial / "main.tsv").write_text("100.0\tstart\tt.py::long\n106.0\tend\tt.py::long\n")
+    assert suite_times._timeline(serial, started=100.0) == (
+        {"main": 6.0}, [{"test": "t.py::long", "worker": "main", "start_s": 0.0, "end_s": 6.0, "seconds": 6.0}])
     record = {"commit": "abc", "dirty": False, "command": ["python", "-m", "pytest"], "cpu_count": 2, "wall_s": 41.0,
               "summary": "2 passed"}
     assert suite_times.durations_record(record, long_tests) == {
         "measured": {"commit": "abc", "dirty": False, "command": ["python", "-m", "pytest"], "cpu_count": 2,
                      "wall_s": 41.0},
-        "seconds": {"t.py::long": 30.5}}
+        "seconds": {"t.py::long": 30.5, "t.py::middling": 8.0}}

@@ -180,7 +180,7 @@ def test_control_passes_join_a_finished_run_without_rerunning_it_and_report_whom
     rules = planned_rules(run, config)
     assert {f"replay_{p}" for p in CONTROLS} <= rules
     assert {"figure_transplant", "figure_transplant_layers", "table_controls"} <= rules
-    assert not rules & {"generate_rollouts", "replay_exact", "replay_replica", "replay_refeed", "replay_selector"}
+    assert not rules & {"generate_rollouts", *(f"replay_{p}" for p in TINY_ON_SMOLLM2["replay"]["passes"])}
     snakemake(run, config)
     results = run / "results"
     for rel in ["figures/transplant.png", "figures/transplant_layers.pdf", "tables/controls.csv",
