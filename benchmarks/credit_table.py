@@ -20,6 +20,7 @@ from replaynoise.analysis import compare_passes, comparison_settings  # noqa: E4
 from replaynoise.config import analysis_hash, validate_config  # noqa: E402
 from replaynoise.credit import read_credit_grid  # noqa: E402
 from replaynoise.overlays import load_campaign  # noqa: E402
+from replaynoise.passes import run_passes  # noqa: E402
 from replaynoise.tables import (
     headline_rows,  # noqa: E402
     render_markdown,  # noqa: E402
@@ -32,7 +33,7 @@ def main() -> None:
     ap.add_argument("--configfile", required=True)
     args = ap.parse_args()
     config = validate_config(load_campaign(args.configfile))
-    configs, passes = list(config["configs"]), list(config["replay"]["passes"])
+    configs, passes = list(config["configs"]), run_passes(config["replay"])
     files = [str(args.run / "credit" / c / f"{p}.parquet") for c in configs for p in passes]
     credits = read_credit_grid(files, configs, passes)
     stats = comparison_settings(config["analysis"], config["seed"])

@@ -34,7 +34,9 @@ for cfg in "$@"; do
         done
         tar -C "$WORK" -czf "$out/$name.tgz" reference
         ls -la "$out/$name.tgz"
-    elif [ -d "$WORK/results/logs" ]; then  # unfinished or failed: bring back the logs to see why
-        tar -C "$WORK" -czf "$out/$name.logs.tgz" results/logs
+    elif [ -d "$WORK/results/logs" ]; then  # unfinished or failed: the logs to see why, and what did finish
+        parts=$(cd "$WORK" && ls -d results/logs results/pivots results/credit results/analysis \
+            results/problems results/benchmarks 2>/dev/null)
+        tar -C "$WORK" -czf "$out/$name.partial.tgz" $parts
     fi
 done

@@ -4,15 +4,19 @@
 # 30 minutes at most). Each file runs in its own working directory under $WORK, logs to OUT_DIR/<file>.log and
 # leaves OUT_DIR/<folder>-<file>.tgz with what reference/ keeps:
 #   bash benchmarks/h200-campaigns-parallel.sh OUT_DIR TIMEOUT_S config/campaigns/gpu-vllm/paper-qwen.yaml:3 ...
-# FILE:SLOTS gives that file's jobs SLOTS GPU slots (default 1). Rerun with the same arguments to resume.
+# FILE:SLOTS gives that file's jobs SLOTS GPU slots (default 1); FILE:SLOTS:SHARE also bounds the percent of the
+# GPU they hold together (the vllm.gpu_memory_utilization of the jobs running, added up: GPU_SHARE of
+# benchmarks/h200-pipeline.sh); FILE,FILE2:... runs the files one after the other in those slots.
+# Rerun with the same arguments to resume.
 set -uo pipefail
 out=$1 limit=$2; shift 2
 mkdir -p "$out"
 pids=()
 for spec in "$@"; do
-    cfg=${spec%%:*} slots=${spec##*:}
-    [ "$slots" = "$spec" ] && slots=1
-    GPU_SLOTS=$slots bash benchmarks/h200-campaign.sh "$out" "$limit" "$cfg" > "$out/$(basename "$cfg" .yaml).log" 2>&1 &
+    IFS=: read -r files slots share <<< "$spec"
+    IFS=, read -r -a cfgs <<< "$files"
+    GPU_SLOTS=${slots:-1} GPU_SHARE=${share:-} bash benchmarks/h200-campaign.sh "$out" "$limit" "${cfgs[@]}" \
+        > "$out/$(basename "${cfgs[0]}" .yaml).log" 2>&1 &
     pids+=($!)
 done
 wait "${pids[@]}"

@@ -24,12 +24,14 @@ from replaynoise.conditionings import (
     CONDITIONING_DEFINITIONS,
     CONDITIONINGS,
     SELECTOR_PASS,
+    keep_expression,
     pass_columns,
     select_pivots,
     wide_frame,
 )
+from replaynoise.crossed import replicated_stats
 from replaynoise.disagreement import METRIC_DEFINITIONS, METRICS, check_metric, disagree
-from replaynoise.passes import REQUIRED_PASSES
+from replaynoise.passes import REQUIRED_PASSES, replicate_pairs
 from replaynoise.stats import (
     Clusters,
     classify_changes,
@@ -179,6 +181,34 @@ def _block(sel: pl.DataFrame, extras: Sequence[str], *, metric: str, theta: floa
     return block
 
 
+def replicated_block(wide: pl.DataFrame, conditioning: str, pairs: Sequence[tuple[str, str]], *, metric: str,
+                     n_boot: int, seed: int, min_eligible: int, ci: float) -> dict:
+    """A conditioning over R pairs of draws (``replicate_pairs``): pair r's set is the conditioning over exact,
+    replica draw r and refeed draw r; the excess, re-feed rate and floor are pooled over the pairs, each with the
+    crossed (problems x pairs) interval and the problem-only one (``crossed.replicated_stats``), per metric."""
+    masks = []
+    for replica, refeed in pairs:
+        keep, reason = keep_expression(wide, conditioning, ("exact", replica, refeed))
+        if keep is None:
+            return {"available": False, "reason": reason}
+        masks.append(wide.select(keep.fill_null(False))[:, 0].to_numpy())
+    codes = np.unique(wide["problem_id"].to_numpy(), return_inverse=True)[1]
+    a = {name: wide[pass_columns(name)["a_hat"]].cast(pl.Float64).fill_null(0.0).to_numpy()
+         for name in ("exact", *(p for pair in pairs for p in pair))}
+    by_metric = {}
+    for m in METRICS:
+        refeed = np.array([disagree(a["exact"], a[f], m) for _, f in pairs])
+        floor = np.array([disagree(a["exact"], a[r], m) for r, _ in pairs])
+        by_metric[m] = replicated_stats(codes, np.array(masks), refeed, floor, ci=ci, n_boot=n_boot, seed=seed)
+    block: dict[str, Any] = {"available": True, "draws": [list(p) for p in pairs], "metric": metric,
+                             "note": None, **by_metric[metric], "by_metric": by_metric}
+    smallest = min(block["n_per_pair"])
+    if smallest < min_eligible:
+        block = _null_numbers(block)
+        block["note"] = f"too few eligible pivots in a pair's set (n={smallest} < min_eligible={min_eligible})"
+    return block
+
+
 def comparison_settings(analysis: Mapping[str, Any], seed: int) -> dict[str, Any]:
     """``compare_passes``'s settings from a configuration's ``analysis`` block, for the workflow's rules and a
     rebuild of a reference alike: one reading of the block, so a rebuild cannot analyse otherwise than the run."""
@@ -216,6 +246,9 @@ def compare_passes(credit: Mapping[str, pl.DataFrame], *, theta: float, theta_sw
         "n_pivots": wide.height,
         "conditionings": {},
     }
+    pairs = replicate_pairs(sorted(credit))
+    if len(pairs) > 1:  # a replicated design; one draw of each pass leaves the comparison as it always was
+        out["replicates"] = {"pairs": [list(p) for p in pairs], "n_pairs": len(pairs)}
     for cond in CONDITIONINGS:
         sel, reason = select_pivots(wide, cond)
         if sel is None:
@@ -224,6 +257,9 @@ def compare_passes(credit: Mapping[str, pl.DataFrame], *, theta: float, theta_sw
             block = _block(sel, extras, metric=metric, theta=theta, sweep=sweep, margin_split=margin_split,
                            n_boot=n_boot, seed=seed, min_eligible=min_eligible, ci=ci,
                            n_problems_with_pivots=wide["problem_id"].n_unique())
+            if len(pairs) > 1:
+                block["replicated"] = replicated_block(wide, cond, pairs, metric=metric, n_boot=n_boot, seed=seed,
+                                                       min_eligible=min_eligible, ci=ci)
         block["definition"] = CONDITIONING_DEFINITIONS[cond]
         out["conditionings"][cond] = block
     out["selection_all_pivots"] = _selection_all(wide, theta, n_boot=n_boot, seed=seed, ci=ci)

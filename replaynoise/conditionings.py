@@ -82,23 +82,25 @@ def _lacks_counts(wide: pl.DataFrame, eligible: pl.Expr, name: str) -> str | Non
     return None
 
 
-def select_pivots(wide: pl.DataFrame, conditioning: str) -> tuple[pl.DataFrame | None, str | None]:
-    """The pivots a conditioning keeps, or (None, reason) when it cannot be formed."""
+def keep_expression(wide: pl.DataFrame, conditioning: str,
+                    trio: tuple[str, str, str] = REQUIRED_PASSES) -> tuple[pl.Expr | None, str | None]:
+    """The row filter of a conditioning over one trio of passes (exact, a replica draw, a re-feed draw; by default
+    the first draws), or (None, reason) when it cannot be formed. A replicated design forms one set per pair."""
     if conditioning not in CONDITIONINGS:
         raise ValueError(f"unknown conditioning {conditioning!r}; expected one of {CONDITIONINGS}")
     keep = pl.lit(True)
-    for name in REQUIRED_PASSES:
+    for name in trio:
         keep = keep & pl.col(pass_columns(name)["eligible"])
-    a_hat = {name: pl.col(pass_columns(name)["a_hat"]) for name in REQUIRED_PASSES}
+    a_hat = {role: pl.col(pass_columns(name)["a_hat"]) for role, name in zip(REQUIRED_PASSES, trio)}
     if conditioning == "main":
         keep = keep & ((a_hat["exact"] != 0) | (a_hat["replica"] != 0) | (a_hat["refeed"] != 0))
     elif conditioning == "treatment_independent":
         keep = keep & (a_hat["exact"] != 0)
     elif conditioning == "informative":
-        reason = _lacks_counts(wide, keep, "exact")
+        reason = _lacks_counts(wide, keep, trio[0])
         if reason:
             return None, reason
-        keep = keep & pl.col(pass_columns("exact")["informative"])
+        keep = keep & pl.col(pass_columns(trio[0])["informative"])
     elif conditioning == "selector":
         cols = pass_columns(SELECTOR_PASS)
         if cols["eligible"] not in wide.columns:
@@ -108,7 +110,14 @@ def select_pivots(wide: pl.DataFrame, conditioning: str) -> tuple[pl.DataFrame |
         if reason:
             return None, reason
         keep = keep & pl.col(cols["informative"])
-    return wide.filter(keep), None
+    return keep, None
+
+
+def select_pivots(wide: pl.DataFrame, conditioning: str,
+                  trio: tuple[str, str, str] = REQUIRED_PASSES) -> tuple[pl.DataFrame | None, str | None]:
+    """The pivots a conditioning keeps, or (None, reason) when it cannot be formed."""
+    keep, reason = keep_expression(wide, conditioning, trio)
+    return (None, reason) if keep is None else (wide.filter(keep), None)
 
 
 def eligible_frame(credit: Mapping[str, pl.DataFrame], conditioning: str = "main") -> pl.DataFrame | None:

@@ -22,7 +22,7 @@ from replaynoise.models import (
     resolve_model_spec,
 )
 from replaynoise.overlays import apply_overlay
-from replaynoise.passes import canonical_order, pass_spec
+from replaynoise.passes import canonical_order, pass_spec, run_passes
 from replaynoise.settings import INVARIANT_PROMPT, INVARIANT_ROWS, cross_scoring
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +100,8 @@ def validate_config(config: dict) -> dict:
     _fill_invariant_shape(config)
     _check_semantics(config)
     config["replay"]["passes"] = canonical_order(config["replay"]["passes"])
+    if config["replay"].get("replicates") == 1:  # one draw is what an absent key means: one fingerprint for both
+        del config["replay"]["replicates"]
     return _sorted_keys(config)
 
 
@@ -272,7 +274,7 @@ def _check_semantics(config: dict) -> None:
                 f"config keys configs.{name}.max_new_tokens + replay.max_new_tokens: {settings['max_new_tokens']} "
                 f"rollout tokens plus {config['replay']['max_new_tokens']} continuation tokens reach {budget}, "
                 f"beyond the {context} positions {settings['model']} attends over (with the prompt)")
-        _check_engine(name, settings, config["replay"]["passes"])
+        _check_engine(name, settings, run_passes(config["replay"]))
         _check_training(name, settings)
         _check_vllm_settings(name, settings, budget, context, heads, config["resources"]["gpus"])
     _check_passes(config["replay"]["passes"])

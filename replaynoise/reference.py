@@ -39,6 +39,8 @@ from replaynoise import control_report, figures, plan
 from replaynoise.analysis import compare_passes, comparison_settings
 from replaynoise.config import analysis_hash
 from replaynoise.io import read_json, read_parquet, sha256_file, write_json
+from replaynoise.mismatch import mismatch_summary
+from replaynoise.passes import run_passes
 from replaynoise.pooling import pooled_comparison
 from replaynoise.tables import headline_rows, mismatch_lines, write_headline_tables
 
@@ -53,7 +55,8 @@ FROM_ROWS = ("probe", "verification", "prefix_cache", "controls", "prefix_mismat
 #: still carries their checksums.
 SNAPSHOT_GLOBS = (
     "MANIFEST.sha256", "provenance.json", "tables/*", "figures/*.png", "figures/*.pdf",
-    "analysis/*/comparison.json", "analysis/*/channels.csv", "cost/cost.md", "cost/cost.csv",
+    "analysis/*/comparison.json", "analysis/*/channels.csv", "analysis/*/mismatch.parquet", "cost/cost.md",
+    "cost/cost.csv",
     "training/*/log.csv",
 )
 
@@ -248,7 +251,7 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
                          "overwrite the committed files, then compare them with themselves. Give a folder outside it")
     config = read_json(reference / "provenance.json")["config"]
     pooled_ref = read_json(reference / "analysis" / "pooled" / "comparison.json")
-    configs, passes = list(pooled_ref["configs"]), list(config["replay"]["passes"])
+    configs, passes = list(pooled_ref["configs"]), run_passes(config["replay"])
     if pooled_ref["analysis_hash"] != analysis_hash(config):
         raise ValueError(f"{reference}: provenance.json's configuration has analysis hash {analysis_hash(config)}, "
                          f"the committed analysis {pooled_ref['analysis_hash']}")
@@ -260,6 +263,11 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
         result = compare_passes(credits[c], **stats)
         result.update({key: committed[c][0][key] for key in FROM_ROWS if key in committed[c][0]})
         result.update(config=c, kernels=committed[c][0]["kernels"], analysis_hash=pooled_ref["analysis_hash"])
+        mismatch = reference / "analysis" / c / "mismatch.parquet"
+        if mismatch.is_file():  # the per-pivot prefix mismatch is committed: its link to the flips is recomputed
+            result["prefix_mismatch"] = mismatch_summary(read_parquet(mismatch), credits[c], result, config=c,
+                                                         metric=stats["metric"], min_eligible=stats["min_eligible"],
+                                                         ci=stats["ci"])
         comparisons[c] = result
         written.append(out / "analysis" / c / "comparison.json")
         write_json(result, written[-1])

@@ -443,15 +443,18 @@ def test_pooled_clusters_are_config_qualified_problems() -> None:
 ANALYSIS = {"theta": 0.5, "n_boot": 200, "min_eligible": 1, "ci": 0.95, "metric": "sign", "margin_split": 0.3}
 
 
-def test_pooling_keeps_one_engine_and_kernels_and_pools_none_across_them() -> None:
+def test_pooling_keeps_one_engine_kernels_and_model_and_pools_none_across_them() -> None:
+    """Pooled rows never mix engines, kernel modes, models, dtypes or a trained model with its base: a floor or a
+    re-feed rate belongs to one of each, and a problem of two models would be counted as two clusters."""
     per_config = {"cfgA": case_credit(), "cfgB": case_credit(passes=("exact", "replica", "refeed"))}
-    alike = {"cfgA": {"engine": "hf", "kernels": "stock", "dtype": "bfloat16"},
-             "cfgB": {"engine": "hf", "kernels": "stock", "dtype": "float16"}}
+    one = {"engine": "hf", "kernels": "stock", "model": "smollm2-135m", "dtype": "bfloat16", "train": "untrained"}
+    alike = {"cfgA": one, "cfgB": {**one, "temperature": 1.0}}
     pooled = pooled_comparison(per_config, alike, ANALYSIS, 7, "h")
     expected = run(pool_credit(per_config), n_boot=200, seed=7, probe_reason=POOLED_PROBE_REASON)
     assert pooled == {**expected, "config": "pooled", "configs": ["cfgA", "cfgB"], "analysis_hash": "h"}
     assert pooled["conditionings"]["main"]["n"] == 14
-    for key, other in (("kernels", "invariant"), ("engine", "vllm")):
+    for key, other in (("kernels", "invariant"), ("engine", "vllm"), ("model", "qwen2.5-coder-0.5b"),
+                       ("dtype", "float16"), ("train", "grpo-1234abcd")):
         mixed = {**alike, "cfgB": {**alike["cfgB"], key: other}}
         result = pooled_comparison(per_config, mixed, ANALYSIS, 7, "h")
         assert result["configs"] == ["cfgA", "cfgB"] and result["analysis_hash"] == "h"

@@ -17,7 +17,7 @@ LAYERS = [
     ["io", "logs", "overlays", "progress", "seeds", "shards", "passes", "disagreement", "summary"],
     ["stats", "conditionings", "packages", "plan", "grading", "prompts", "training_log", "pivots", "credit", "cost",
      "channels", "engines.sampling", "engines.base"],
-    ["datasets", "loading", "settings"],
+    ["datasets", "loading", "settings", "crossed"],
     ["models", "engines.kvfiles", "engines.cpu_matmul", "engines.kernels", "engines.vllm", "engines.vllm_build"],
     ["engines.static"],
     ["engines.states"],

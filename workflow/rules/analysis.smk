@@ -38,6 +38,7 @@ rule cross_score:
         mem_mb=heavy("replay", "mem_mb"),
         runtime=heavy("replay", "runtime"),
         gpu=gpus,
+        gpu_share=gpu_share,
     params:
         code=code_version("cross_score"),
         settings=settings,
@@ -92,7 +93,7 @@ rule compare_pooled:
         analysis=config["analysis"],
         seed=config["seed"],
         configs=CONFIGS,
-        settings={c: {key: config["configs"][c][key] for key in POOL_KEYS} for c in CONFIGS},
+        settings={c: pool_settings(config["configs"][c]) for c in CONFIGS},
         passes=RUN_PASSES,
         analysis_hash=ANALYSIS_HASH,
     script:

@@ -19,11 +19,12 @@ from replaynoise.datasets import check_n_problems  # noqa: E402
 from replaynoise.machine import job_gpus, overlay_adds_default_configs, platform_problems  # noqa: E402
 from replaynoise.models import model_source_files, prepared_model_key  # noqa: E402
 from replaynoise.overlays import misordered  # noqa: E402
-from replaynoise.passes import pass_spec  # noqa: E402
+from replaynoise.passes import pass_spec, run_passes  # noqa: E402
 from replaynoise.plan import (  # noqa: E402
     FROM_COMPARISONS,
     FROM_CREDIT,
     POOL_KEYS,
+    pool_settings,
     control_outputs,
     plot_options,
 )
@@ -60,7 +61,8 @@ if not workflow.config_settings.replace_workflow_config:
         )
 
 CONFIGS = sorted(config["configs"])
-RUN_PASSES = list(config["replay"]["passes"])
+#: The passes of this run: replay.passes and the further draws of replay.replicates.
+RUN_PASSES = run_passes(config["replay"])
 ANALYSIS_HASH = analysis_hash(config)
 PACKAGE_DIR = "resources/packages"
 LOGS = "results/logs"
@@ -242,10 +244,15 @@ def settings(wildcards):
 
 
 def replay_params(pass_name):
-    """The replay block one pass's step reads: all but the list of passes, and a sample size only in the step of
-    the pass it sizes (replaynoise.passes.PassSpec.sample_key)."""
+    """The replay block one pass's step reads: all but the list of passes and the number of draws (a pass is one
+    draw whatever their number), and a sample size only in the step of the pass it sizes
+    (replaynoise.passes.PassSpec.sample_key)."""
     others = {pass_spec(p).sample_key for p in RUN_PASSES} - {pass_spec(pass_name).sample_key, None}
-    return {key: value for key, value in config["replay"].items() if key != "passes" and key not in others}
+    return {
+        key: value
+        for key, value in config["replay"].items()
+        if key not in ("passes", "replicates") and key not in others
+    }
 
 
 #: The conda env of model rules, by engine: vLLM is an optional extra with its own pins (requirements-vllm.txt).
@@ -271,6 +278,15 @@ def gpus_of(config_name):
 
 def gpus(wildcards):
     return gpus_of(wildcards.config)
+
+
+def gpu_share(wildcards):
+    """Percent of a GPU a model job of this configuration takes: its vllm.gpu_memory_utilization (0 where it names
+    none, and on CPU). A resource Snakemake can bound, so that jobs of several sizes share one GPU: with --resources
+    gpu_share=90, jobs whose shares add up to 90 at most run at once (benchmarks/h200-campaign.sh)."""
+    settings = config["configs"][wildcards.config]
+    share = (settings.get("vllm") or {}).get("gpu_memory_utilization")
+    return 0 if share is None or not settings["device"].startswith("cuda") else int(round(100 * share))
 
 
 def benchmark_file(rule_name, job):
@@ -344,7 +360,7 @@ def manifest_inputs(wildcards=None):
         files += [rollouts_file(c), kv_index_file(c), pivots_file(c)]
         files += [pass_shard_file(c, p, s) for p in RUN_PASSES for s in SHARDS]
         files += [pass_file(c, p) for p in RUN_PASSES] + [credit_file(c, p) for p in RUN_PASSES]
-        files += [comparison_file(c), channels_file(c)]
+        files += [mismatch_file(c), comparison_file(c), channels_file(c)]
     files += [comparison_file("pooled")]
     files += [cross_file(a, b, ext) for a, b in CROSS_PAIRS for ext in ("parquet", "json")]
     files += [table_file("headline", ext) for ext in ("csv", "md", "tex")]

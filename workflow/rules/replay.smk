@@ -24,6 +24,7 @@ for _pass in RUN_PASSES:
             mem_mb=heavy("replay", "mem_mb"),
             runtime=heavy("replay", "runtime"),
             gpu=gpus,
+            gpu_share=gpu_share,
         params:
             code=code_version("replay_pass"),
             pass_name=_pass,

@@ -17,13 +17,15 @@ rule generate_rollouts:
         mem_mb=heavy("generate_rollouts", "mem_mb"),
         runtime=heavy("generate_rollouts", "runtime"),
         gpu=gpus,
+        gpu_share=gpu_share,
     params:
         code=code_version("generate_rollouts"),
         settings=settings,
         seed=config["seed"],
         prompt=config["prompt"],
         pivots=config["pivots"],
-        rollouts=config["rollouts"],
+        # the screen is select_pivots' alone: a screen of other problems reuses the rollouts and every pass
+        rollouts={key: value for key, value in config["rollouts"].items() if key != "screen"},
         # read only to name a problem whose prompt does not fit by its file and line
         dataset=dict(source=config["dataset"]["source"], path=config["dataset"]["path"], cache=PACKAGE_DIR),
         topk=config["pivots"]["topk"],
