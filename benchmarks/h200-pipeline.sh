@@ -25,11 +25,11 @@ set -m
 # GPU_SLOTS: model jobs sharing the GPU at once (default 1; small models leave an H200 mostly idle, but their
 # per-rule seconds then include the sharing, so the cost statement overstates their GPU time).
 # a campaign file that is an overlay (overlay_of) runs with its base before it: replaynoise/overlays.py
-# GPU_SHARE: the percent of the GPU those jobs may hold together (their vllm.gpu_memory_utilization added up;
-# workflow/rules/common.smk, gpu_share), so that jobs of several sizes share one GPU; unset: no bound.
+# GPU_GIB: the GiB of the GPU those jobs may ask for together (each a vLLM cache of kv_cache_gib and its headroom;
+# workflow/rules/common.smk, gpu_gib), so that jobs of several sizes share one GPU; unset: no bound.
 # RETRIES: Snakemake's --retries (a job that could not start, e.g. for want of GPU memory, runs again).
 snakemake -s "$PWD/Snakefile" --directory "$work" --cores "$(nproc)" --keep-going ${RETRIES:+--retries "$RETRIES"} \
-    --resources gpu="${GPU_SLOTS:-1}" ${GPU_SHARE:+gpu_share="$GPU_SHARE"} \
+    --resources gpu="${GPU_SLOTS:-1}" ${GPU_GIB:+gpu_gib="$GPU_GIB"} \
     --configfile $(python -m replaynoise.overlays "$PWD/$cfg") --replace-workflow-config ${TARGETS:-} >> "$log" 2>&1 &
 run=$!
 ( sleep "$limit"; kill -TERM -- "-$run"; sleep 15; kill -KILL -- "-$run" ) > /dev/null 2>&1 &

@@ -18,6 +18,20 @@ INVARIANT_ROWS, INVARIANT_PROMPT = 64, 512
 #: the invariant decoder's slots in an engine built without a configuration (a configuration's own are derived
 #: from its budgets)
 INVARIANT_CONTEXT = 1024
+#: what a small model's vLLM process holds on the GPU besides its KV cache (weights, activations, CUDA context):
+#: a job of a cache of kv_cache_gib asks for that much more of the GPU (engines.vllm_build.gpu_memory_share)
+GPU_HEADROOM_GIB = 8.0
+
+
+def gpu_reservation_gib(settings: Mapping) -> int:
+    """GiB of a GPU a model job of this configuration asks for at its start: a vLLM cache of kv_cache_gib (the
+    share left null) and its headroom, rounded up; 0 where the job names no such amount (a share of whatever GPU
+    it gets, the HF engine, CPU)."""
+    vllm = settings.get("vllm") or {}
+    if settings.get("engine") != "vllm" or not str(settings.get("device")).startswith("cuda") \
+            or vllm.get("gpu_memory_utilization") is not None:
+        return 0
+    return int(-(-(settings["kv_cache_gib"] + GPU_HEADROOM_GIB) // 1))
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from replaynoise.settings import GPU_HEADROOM_GIB
+
 log = logging.getLogger(__name__)
 
 #: compute capability vLLM's batch-invariant kernels need (VLLM_BATCH_INVARIANT, NVIDIA only)
@@ -116,8 +118,6 @@ def patch_invariant_rms_norm() -> None:
         log.info("kernels: invariant: vLLM's add-RMSNorm replaced by an elementwise add and its per-row RMSNorm")
 
 
-#: what a small model's vLLM process holds on the GPU besides its KV cache (weights, activations, CUDA context)
-GPU_HEADROOM_GIB = 8.0
 
 
 def gpu_memory_share(kv_cache_gib: float, total_bytes: int, headroom_gib: float = GPU_HEADROOM_GIB) -> float:

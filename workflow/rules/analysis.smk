@@ -38,7 +38,7 @@ rule cross_score:
         mem_mb=heavy("replay", "mem_mb"),
         runtime=heavy("replay", "runtime"),
         gpu=gpus,
-        gpu_share=gpu_share,
+        gpu_gib=gpu_gib,
     params:
         code=code_version("cross_score"),
         settings=settings,

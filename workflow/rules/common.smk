@@ -30,7 +30,7 @@ from replaynoise.plan import (  # noqa: E402
 )
 from replaynoise.io import stable_hash  # noqa: E402
 from replaynoise.provenance import source_digest  # noqa: E402
-from replaynoise.settings import cross_scoring, stop_texts  # noqa: E402
+from replaynoise.settings import cross_scoring, gpu_reservation_gib, stop_texts  # noqa: E402
 from replaynoise.shards import shard_names  # noqa: E402
 from replaynoise.summary import run_summary  # noqa: E402
 
@@ -243,6 +243,13 @@ def settings(wildcards):
     return config["configs"][wildcards.config]
 
 
+def pass_priority(pass_name):
+    """Draws run in order where GPU slots are scarce: every first draw (and every pass that is no draw) before
+    any second, every second before any third, so a run cut short holds whole pairs (no result depends on it)."""
+    draw = pass_spec(pass_name).draw
+    return 10 - (1 if draw is None else min(draw[1], 10))
+
+
 def replay_params(pass_name):
     """The replay block one pass's step reads: all but the list of passes and the number of draws (a pass is one
     draw whatever their number), and a sample size only in the step of the pass it sizes
@@ -280,13 +287,12 @@ def gpus(wildcards):
     return gpus_of(wildcards.config)
 
 
-def gpu_share(wildcards):
-    """Percent of a GPU a model job of this configuration takes: its vllm.gpu_memory_utilization (0 where it names
-    none, and on CPU). A resource Snakemake can bound, so that jobs of several sizes share one GPU: with --resources
-    gpu_share=90, jobs whose shares add up to 90 at most run at once (benchmarks/h200-campaign.sh)."""
-    settings = config["configs"][wildcards.config]
-    share = (settings.get("vllm") or {}).get("gpu_memory_utilization")
-    return 0 if share is None or not settings["device"].startswith("cuda") else int(round(100 * share))
+def gpu_gib(wildcards):
+    """GiB of the GPU a model job of this configuration asks for at its start (replaynoise.settings.
+    gpu_reservation_gib: a vLLM cache of kv_cache_gib and its headroom; 0 where it names no amount). A resource
+    Snakemake can bound, so that jobs of several sizes share one GPU: with --resources gpu_gib=78, jobs whose
+    reservations add up to 78 GiB at most run at once (benchmarks/h200-campaign.sh)."""
+    return gpu_reservation_gib(config["configs"][wildcards.config])
 
 
 def benchmark_file(rule_name, job):

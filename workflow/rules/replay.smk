@@ -20,11 +20,12 @@ for _pass in RUN_PASSES:
         conda:
             engine_env
         threads: heavy("replay", "threads")
+        priority: pass_priority(_pass)
         resources:
             mem_mb=heavy("replay", "mem_mb"),
             runtime=heavy("replay", "runtime"),
             gpu=gpus,
-            gpu_share=gpu_share,
+            gpu_gib=gpu_gib,
         params:
             code=code_version("replay_pass"),
             pass_name=_pass,

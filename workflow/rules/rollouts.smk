@@ -17,7 +17,7 @@ rule generate_rollouts:
         mem_mb=heavy("generate_rollouts", "mem_mb"),
         runtime=heavy("generate_rollouts", "runtime"),
         gpu=gpus,
-        gpu_share=gpu_share,
+        gpu_gib=gpu_gib,
     params:
         code=code_version("generate_rollouts"),
         settings=settings,
