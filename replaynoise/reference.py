@@ -30,6 +30,7 @@ import argparse
 import csv
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -300,6 +301,56 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
 HEADLINE_FILES = tuple(f"tables/headline.{ext}" for ext in ("csv", "md", "tex"))
 
 
+def _rewrite_manifest_lines(reference: Path, names: list[str]) -> None:
+    """Set the manifest lines of ``names`` (paths relative to ``reference``) to the files' digests as they now
+    stand, adding the lines of files the manifest did not list."""
+    manifest_path = reference / "MANIFEST.sha256"
+    lines = manifest_path.read_text().splitlines()
+    digests = {name: sha256_file(reference / name) for name in names}
+    listed = {line.split(maxsplit=1)[1].lstrip("*") for line in lines}
+    lines = [f"{digests[name]}  {name}" if (name := line.split(maxsplit=1)[1].lstrip("*")) in digests else line
+             for line in lines] + [f"{d}  {name}" for name, d in digests.items() if name not in listed]
+    manifest_path.write_text("\n".join(lines) + "\n")
+
+
+def reanalyze(reference: Path, commit: str | None) -> list[str]:
+    """Recompute a reference folder's analysis (comparisons, pooled comparison, tables, figures) from its committed
+    credit tables with the code as it now stands, after a change of the analysis code that moves them (a pooling
+    rule, a new statistic): the rebuilt files replace the committed ones, their manifest lines follow, and
+    ``reproduce.json`` records which commit's analysis they are. What the replayed rows made (credit tables,
+    channels, the probe, the cache counts) is kept as the run left it. Returns the files that changed."""
+    reference = Path(reference)
+    with tempfile.TemporaryDirectory(prefix="reanalyze-") as tmp:
+        out = Path(tmp)
+        changed, figures_drawn = [], []
+        for path in rebuild(reference, out):
+            rel = path.relative_to(out).as_posix()
+            target = reference / rel
+            if target.is_file() and sha256_file(target) == sha256_file(path):
+                continue
+            if rel.startswith("figures/") and target.is_file():
+                figures_drawn.append((rel, path))  # redrawn only where a number changed (matplotlib moves bytes)
+                continue
+            drift = float_drift(target, path) if target.is_file() and path.suffix in (".json", ".csv") else None
+            if drift is None or drift > DRIFT_TOLERANCE:  # last-bit drift of this CPU keeps the run's own file
+                changed.append(rel)
+        if changed:
+            changed += [rel for rel, _ in figures_drawn]
+        for rel in changed:
+            (reference / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(out / rel, reference / rel)
+    if changed:
+        _rewrite_manifest_lines(reference, changed)
+        record_path = reference / REPRODUCE_FILE
+        record = read_json(record_path) if record_path.is_file() else {"commit": reproducing_commit(reference)[0]}
+        note = (f"{', '.join(sorted(changed))} recomputed from the committed credit tables by the analysis code of "
+                f"{commit or 'the working tree'} (python -m replaynoise.reference reanalyze); every other file is "
+                "the run's own.")
+        record["note"] = f"{record.get('note', '')} {note}".strip()
+        write_json(record, record_path)
+    return changed
+
+
 def refresh_tables(reference: Path) -> list[Path]:
     """Rewrite a reference folder's headline tables from its committed comparisons, after a change of the table
     code alone, and their lines in its manifest (which vouches for the folder's files as they now stand).
@@ -311,13 +362,7 @@ def refresh_tables(reference: Path) -> list[Path]:
     tables = [reference / name for name in HEADLINE_FILES]
     everything = {**results, "pooled": pooled}
     write_headline_tables(headline_rows(everything), pooled["analysis_hash"], *tables, mismatch_lines(everything))
-    manifest_path = reference / "MANIFEST.sha256"
-    lines = manifest_path.read_text().splitlines()
-    digests = {name: sha256_file(reference / name) for name in HEADLINE_FILES}
-    listed = {line.split(maxsplit=1)[1].lstrip("*") for line in lines}
-    lines = [f"{digests[name]}  {name}" if (name := line.split(maxsplit=1)[1].lstrip("*")) in digests else line
-             for line in lines] + [f"{d}  {name}" for name, d in digests.items() if name not in listed]
-    manifest_path.write_text("\n".join(lines) + "\n")
+    _rewrite_manifest_lines(reference, list(HEADLINE_FILES))
     return tables
 
 
@@ -402,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
                            "credit tables into OUT and check them against its manifest (exit 1 on a difference)")
     again.add_argument("reference", type=Path)
     again.add_argument("out", type=Path)
+    redo = sub.add_parser("reanalyze", help="recompute a reference folder's analysis, tables and figures from its "
+                          "credit tables with the code as it now stands, with their manifest lines and a note in "
+                          "reproduce.json")
+    redo.add_argument("reference", type=Path)
+    redo.add_argument("--commit", default=None, help="the commit whose analysis code this is (for the note)")
     retable = sub.add_parser("tables", help="rewrite a reference folder's headline tables from its committed "
                              "comparisons (after a change of the table code) and their manifest lines")
     retable.add_argument("reference", type=Path)
@@ -416,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "rebuild":
             return 0 if check_rebuild(args.reference, args.out, rebuild(args.reference, args.out)) else 1
+        if args.command == "reanalyze":
+            changed = reanalyze(args.reference, args.commit)
+            print(f"{len(changed)} files recomputed in {args.reference}: {', '.join(changed) or 'none'}")
+            return 0
         if args.command == "tables":
             written = refresh_tables(args.reference)
             print(f"{len(written)} tables rewritten in {args.reference}, with their manifest lines")
