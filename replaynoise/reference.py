@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import fnmatch
+import os
 import shutil
 import sys
 import tempfile
@@ -52,31 +54,70 @@ DRIFT_TOLERANCE = 1e-9
 #: log-probs), which a reference folder does not hold
 FROM_ROWS = ("probe", "verification", "prefix_cache", "controls", "prefix_mismatch")
 
-#: What a snapshot keeps: small, human-readable outputs. Parquet tables and KV files stay out; the manifest
-#: still carries their checksums.
+#: What a snapshot keeps of a run's manifest: small, human-readable outputs and the per-pivot tables every statistic
+#: is computed from (credit, prefix mismatch). Replayed rows and KV files stay out; the manifest still carries their
+#: checksums. The manifest and provenance.json are copied beside them.
 SNAPSHOT_GLOBS = (
-    "MANIFEST.sha256", "provenance.json", "tables/*", "figures/*.png", "figures/*.pdf",
-    "analysis/*/comparison.json", "analysis/*/channels.csv", "analysis/*/mismatch.parquet", "cost/cost.md",
-    "cost/cost.csv",
-    "training/*/log.csv",
+    "tables/*", "figures/*.png", "figures/*.pdf", "analysis/*/comparison.json", "analysis/*/channels.csv",
+    "analysis/*/mismatch.parquet", "credit/*/*.parquet", "cost/cost.md", "cost/cost.csv", "training/*/log.csv",
 )
+RUN_RECORDS = ("MANIFEST.sha256", "provenance.json")
+
+
+def _holds(folder: Path, path: Path) -> bool:
+    """``folder`` is ``path`` or one of the folders above it (both resolved)."""
+    folder, path = folder.resolve(), path.resolve()
+    return folder == path or folder in path.parents
+
+
+def check_destination(dest: Path, sources: list[Path], action: str) -> None:
+    """Refuse a destination a command would delete or write into that is a source, lies inside one, or is (or
+    holds) a source or the current folder: ``snapshot results results`` once deleted every result."""
+    for source in [*sources, Path.cwd()]:
+        what = "the current folder" if source == Path.cwd() else str(source)
+        if _holds(dest, source):
+            raise ValueError(f"{dest}: {action} would write into {what}, which it is or holds; give a folder "
+                             "outside it")
+        if _holds(source, dest) and source != Path.cwd():
+            raise ValueError(f"{dest}: {action} would write inside {what}; give a folder outside it")
 
 
 def snapshot(results: Path, reference: Path) -> list[Path]:
-    """Copy the small outputs of ``results`` into ``reference`` (emptied first); returns the copied paths."""
+    """Copy what a finished run's manifest lists of ``SNAPSHOT_GLOBS`` (and the manifest and provenance) into
+    ``reference``; returns the copied paths. A snapshot holds exactly what its manifest lists: outputs of earlier
+    settings left in ``results`` are not copied. ``reference`` must be new, empty or an earlier snapshot (it holds
+    a manifest); of an earlier snapshot only the files it manages are replaced, so a README or a reproduce.json
+    beside them stays. Nothing is deleted before the new snapshot is complete beside it."""
     results, reference = Path(results), Path(reference)
     if not (results / "MANIFEST.sha256").is_file():
         raise FileNotFoundError(f"{results / 'MANIFEST.sha256'}: no manifest; run the workflow to the end first")
-    if reference.exists():
-        shutil.rmtree(reference)
-    copied = []
-    for pattern in SNAPSHOT_GLOBS:
-        for path in sorted(results.glob(pattern)):
-            target = reference / path.relative_to(results)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, target)
-            copied.append(target)
-    return copied
+    check_destination(reference, [results], "snapshot")
+    if reference.exists() and (not reference.is_dir() or (any(reference.iterdir())
+                                                         and not (reference / "MANIFEST.sha256").is_file())):
+        raise ValueError(f"{reference}: not empty and not an earlier snapshot (no MANIFEST.sha256); snapshot writes "
+                         "only into a new or empty folder or an earlier snapshot, so it never deletes a user's files")
+    listed = sorted(read_manifest(results / "MANIFEST.sha256"))
+    chosen = [*RUN_RECORDS, *(rel for rel in listed if any(fnmatch.fnmatch(rel, g) for g in SNAPSHOT_GLOBS))]
+    missing = [rel for rel in chosen if not (results / rel).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{results}: {len(missing)} file(s) the manifest lists are missing, e.g. "
+                                f"{missing[0]}; rerun the workflow (snakemake verify names them all)")
+    reference.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{reference.name}.", dir=reference.parent))
+    try:
+        for rel in chosen:
+            (staged / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(results / rel, staged / rel)
+        if reference.exists():  # an earlier snapshot: its managed files give way to the new ones
+            for old in [*RUN_RECORDS, *(p.relative_to(reference).as_posix() for g in SNAPSHOT_GLOBS
+                                        for p in reference.glob(g))]:
+                (reference / old).unlink(missing_ok=True)
+        for rel in chosen:
+            (reference / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staged / rel, reference / rel)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return [reference / rel for rel in chosen]
 
 
 def read_manifest(path: Path) -> dict[str, str]:
@@ -247,9 +288,7 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
     """Recompute ``reference``'s comparisons, headline tables and figures into ``out`` (a results-like tree)
     as the workflow's rules do, from its credit tables and recorded configuration; returns the files written."""
     reference, out = Path(reference), Path(out)
-    if out.resolve() == reference.resolve() or reference.resolve() in out.resolve().parents:
-        raise ValueError(f"{out}: is the reference folder {reference} or inside it; rebuild writes there and would "
-                         "overwrite the committed files, then compare them with themselves. Give a folder outside it")
+    check_destination(out, [reference], "rebuild")
     config = read_json(reference / "provenance.json")["config"]
     pooled_ref = read_json(reference / "analysis" / "pooled" / "comparison.json")
     configs, passes = list(pooled_ref["configs"]), run_passes(config["replay"])

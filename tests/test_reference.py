@@ -220,3 +220,55 @@ def test_no_committed_pooled_row_mixes_engines_or_kernels(pooled):
         assert all(not block["available"] for block in result["conditionings"].values())
         rows = [r.split(",") for r in (folder / "tables" / "headline.csv").read_text().splitlines()]
         assert all(r[3] == "n/a" for r in rows if r[0] == "pooled")  # n: no pooled row has a number
+
+
+# ------------------------------------------------------------------------------- commands that write trees
+
+def test_a_snapshot_never_deletes_or_writes_into_its_source_the_current_folder_or_a_folder_holding_either(
+        tmp_path, monkeypatch, capsys):
+    """``snapshot results results`` once printed "0 files copied" and deleted all 91 results; ``snapshot results .``
+    from a run's folder deleted the folder (a user's notes too). Each is refused by name, and nothing is touched."""
+    run = tmp_path / "run"
+    results = fake_results(run / "results")
+    (run / "notes.txt").write_text("mine")
+    before = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    monkeypatch.chdir(run)
+    for dest in ("results", ".", str(run), str(tmp_path), "results/ref"):
+        assert main(["snapshot", "results", dest]) == 2, dest
+        assert "snapshot would write" in capsys.readouterr().err
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == before
+    # a folder of a user's that is no earlier snapshot is refused too, however named
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("x")
+    assert main(["snapshot", str(results), str(tmp_path / "mine")]) == 2
+    assert "not empty and not an earlier snapshot" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "thesis.tex").read_text() == "x"
+
+
+def test_a_rebuild_never_writes_into_the_reference_the_current_folder_or_a_folder_holding_either(
+        tmp_path, monkeypatch, capsys):
+    reference = tmp_path / "refs" / "gemma"
+    shutil.copytree(GPU / "gemma", reference)
+    monkeypatch.chdir(tmp_path)
+    for out in (str(reference), str(reference / "x"), str(tmp_path / "refs"), ".", str(tmp_path.parent)):
+        assert main(["rebuild", str(reference), out]) == 2, out
+        assert "rebuild would write" in capsys.readouterr().err
+
+
+def test_a_snapshot_holds_exactly_what_its_manifest_lists_and_keeps_the_files_beside_it(tmp_path):
+    """Outputs of settings a run no longer has (a removed configuration's analysis, a floors table) stay in
+    results/ but are in no manifest: a snapshot leaves them out, and a second snapshot into the same folder
+    replaces what the first made while a README written beside it stays."""
+    results = fake_results(tmp_path / "results")
+    write(results / "analysis" / "removed" / "comparison.json", "{}")
+    write(results / "tables" / "floors.md", "stale")
+    ref = tmp_path / "ref"
+    copied = {p.relative_to(ref).as_posix() for p in snapshot(results, ref)}
+    assert copied == {"MANIFEST.sha256", "provenance.json", "tables/headline.csv", "analysis/c/comparison.json"}
+    assert not (ref / "tables" / "floors.md").exists() and not (ref / "analysis" / "removed").exists()
+    (ref / "README.md").write_text("what this run is")
+    (ref / "tables" / "old.md").write_text("from an earlier run")
+    snapshot(fake_results(tmp_path / "results2", headline="config,excess_pp\na,1.0\n"), ref)
+    assert (ref / "README.md").read_text() == "what this run is"
+    assert not (ref / "tables" / "old.md").exists()
+    assert (ref / "tables" / "headline.csv").read_text() == "config,excess_pp\na,1.0\n"
