@@ -227,8 +227,9 @@ def schedule_of(name: str) -> str:
 
 #: The order a pass list is kept in, whatever order it was written in: the measurement's passes first (as in the
 #: default), each followed by its further draws, then the others in the order PASSES defines them, per-layer
-#: transplants after transplant_refeed (all lo<L>, then all hi<L>, each by L). Every committed campaign lists its passes in this order, so normalising
-#: leaves their analysis hashes as they were, while a reordered list no longer reruns the analysis.
+#: transplants after transplant_refeed (all lo<L>, then all hi<L>, each by L). Every committed campaign lists its
+#: passes in this order, so normalising leaves their analysis hashes as they were, while a reordered list no longer
+#: reruns the analysis.
 _FIXED_RANK = {name: i for i, name in enumerate(PASSES)}
 
 

@@ -55,8 +55,9 @@ def pool_groups(settings: Mapping[str, Mapping[str, Any]]) -> dict[tuple[str, ..
 def pooled_comparison(credits: Mapping[str, Mapping[str, pl.DataFrame]], settings: Mapping[str, Mapping[str, Any]],
                       analysis: Mapping[str, Any], seed: int, analysis_hash: str) -> dict:
     """The pooled comparison of a run, for the workflow and a reference rebuild alike: configurations are pooled
-    only when they share engine, kernels, model, dtype and training; otherwise no pooled number is made, and every conditioning says
-    why, naming the groups, so the pooled rows of the tables read n/a with that note instead of mixing them.
+    only when they share engine, kernels, model, dtype and training; otherwise no pooled number is made, and
+    every conditioning says why, naming the groups, so the pooled rows of the tables read n/a with that note
+    instead of mixing them.
     A run of one group gives exactly the pooled analysis (the same file as before the rule existed)."""
     configs = sorted(credits)
     if sorted(settings) != configs:

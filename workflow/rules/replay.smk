@@ -17,10 +17,10 @@ for _pass in RUN_PASSES:
             f"{LOGS}/replay_{_pass}/{{config}}.{{shard}}.log",
         benchmark:
             benchmark_file(f"replay_{_pass}", "{config}.{shard}")
+        priority: pass_priority(_pass)
         conda:
             engine_env
         threads: heavy("replay", "threads")
-        priority: pass_priority(_pass)
         resources:
             mem_mb=heavy("replay", "mem_mb"),
             runtime=heavy("replay", "runtime"),
