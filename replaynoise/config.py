@@ -100,9 +100,41 @@ def validate_config(config: dict) -> dict:
     _fill_invariant_shape(config)
     _check_semantics(config)
     config["replay"]["passes"] = canonical_order(config["replay"]["passes"])
-    if config["replay"].get("replicates") == 1:  # one draw is what an absent key means: one fingerprint for both
-        del config["replay"]["replicates"]
+    _drop_absent_values(schema, config)
+    _normalize_sets(config)
     return _sorted_keys(config)
+
+
+def _drop_absent_values(schema: dict, value: Any) -> None:
+    """Remove every key written out at the value its absence means (``x-absent-value``: long_prompts: refuse,
+    stop: [], replicates: 1, ...): a setting that means the same thing fingerprints the same and reruns nothing."""
+    if not isinstance(value, dict) or schema.get("type") != "object":
+        return
+    props = schema.get("properties", {})
+    extra = schema.get("additionalProperties")
+    for key in list(value):
+        sub = props.get(key, extra if isinstance(extra, dict) else None)
+        if not isinstance(sub, dict):
+            continue
+        if "x-absent-value" in sub and value[key] == sub["x-absent-value"]:
+            del value[key]
+        else:
+            _drop_absent_values(sub, value[key])
+
+
+def _normalize_sets(config: dict) -> None:
+    """Lists that are sets in one order (their written order changes no result) and keys no step reads, removed,
+    so that neither changes a fingerprint: block offsets, stop texts, cross-scoring pairs (a pair given twice is
+    refused by ``_check_cross_scoring``), a serial sample size without the serial pass."""
+    config["pivots"]["block_offsets"] = sorted(config["pivots"]["block_offsets"])
+    for settings in config["configs"].values():
+        if "stop" in settings:
+            settings["stop"] = sorted(set(settings["stop"]))
+    if "cross_scoring" in config["analysis"]:
+        config["analysis"]["cross_scoring"] = sorted(config["analysis"]["cross_scoring"],
+                                                     key=lambda pair: (pair["rollouts"], pair["scorer"]))
+    if "serial" not in config["replay"]["passes"]:
+        config["replay"].pop("serial_pivots", None)
 
 
 #: the serial pass's pivots where replay.serial_pivots is not given

@@ -18,6 +18,20 @@ INVARIANT_ROWS, INVARIANT_PROMPT = 64, 512
 #: the invariant decoder's slots in an engine built without a configuration (a configuration's own are derived
 #: from its budgets)
 INVARIANT_CONTEXT = 1024
+#: the intra-op threads a configuration's model steps compute with on CPU where it does not say (``cpu_threads``)
+CPU_THREADS = 2
+
+
+def compute_threads(settings: Mapping, threads: int) -> int:
+    """The threads a model step computes with: on CPU the configuration's ``cpu_threads`` (absent: CPU_THREADS),
+    whatever the job was given, since the CPU kernels sum in an order that follows their thread count and a run's
+    numbers must not follow Snakemake's --cores or resources.threads; on a GPU, where the kernels do not, the
+    job's own ``threads`` (host-side work)."""
+    if str(settings["device"]).startswith("cuda"):
+        return threads
+    return int(settings.get("cpu_threads", CPU_THREADS))
+
+
 #: what a small model's vLLM process holds on the GPU besides its KV cache (weights, activations, CUDA context):
 #: a job of a cache of kv_cache_gib asks for that much more of the GPU (engines.vllm_build.gpu_memory_share)
 GPU_HEADROOM_GIB = 8.0

@@ -86,7 +86,7 @@ def train_grpo(base_dir: Path, out_dir: Path, work_dir: Path, *, train: dict, pr
     """Train the prepared model at ``base_dir`` on ``problems`` (``datasets.training_set``); write the trained one
     to ``out_dir`` (atomically) and the per-step log to ``log_csv``. Returns the record written to its
     ``replaynoise-model.json``."""
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # the caller passes settings.compute_threads: on CPU, cpu_threads
     weights = model_weights_dir(Path(base_dir))
     tokenizer = load_tokenizer(weights)
     if tokenizer.pad_token is None:  # TRL pads the prompts of a batch

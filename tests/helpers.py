@@ -33,7 +33,8 @@ TINY_MODEL_DIR = (Path(tempfile.gettempdir()) / f"replaynoise-tests-{os.getuid()
 TINY = {
     "seed": 11,
     "dataset": {"source": "simple_addsub", "n_problems": 3},
-    "configs": {"tiny": {"model": str(TINY_MODEL_DIR), "dtype": "float32", "max_new_tokens": 24}},
+    # one compute thread a model job (cpu_threads), so that two jobs run at once on two cores
+    "configs": {"tiny": {"model": str(TINY_MODEL_DIR), "dtype": "float32", "max_new_tokens": 24, "cpu_threads": 1}},
     "rollouts": {"batch_size": 1},  # one problem per batch: the kill tests land between a shard's batches
     "pivots": {"max_margin": 0.3, "per_rollout": 2},
     "replay": {"k": 2, "max_new_tokens": 12, "batch_size": 4, "passes": ["exact", "replica", "refeed", "selector"]},
@@ -53,7 +54,7 @@ EXACT_PATH_FILES = ["rollouts/tiny/rollouts.parquet", "pivots/tiny.parquet", "pa
 #: (its text, its first steps and KV, its prefix mismatch), with no more model work than they read: the paper's
 #: three passes, continuations of six tokens, and one shard a step (the tiny run scatters and gathers, and a shard
 #: changes no result: tests/test_sharding.py).
-SMOLLM2 = {"model": "smollm2-135m", "dtype": "bfloat16", "max_new_tokens": 24}
+SMOLLM2 = {"model": "smollm2-135m", "dtype": "bfloat16", "max_new_tokens": 24, "cpu_threads": 1}
 TINY_ON_SMOLLM2 = {**TINY, "configs": {"tiny": SMOLLM2},
                    "replay": {**TINY["replay"], "max_new_tokens": 6, "passes": ["exact", "replica", "refeed"]},
                    "resources": {**TINY["resources"], "shard_size": TINY["dataset"]["n_problems"]}}

@@ -610,3 +610,43 @@ def test_a_cross_scoring_pair_plans_one_job_of_the_scorer_on_the_rollouts_pivots
     assert "results/cross/smollm2-bf16/smollm2-fp32.json" in manifest
     overlay.write_text(yaml.safe_dump(two))
     assert "cross_score" not in job_counts(dry_run(workdir, overlay).stdout)
+
+
+# ------------------------------------------------------------------------- one setting, one fingerprint
+
+def _tiny(**sections):
+    base = {"configs": {"c": {"model": "smollm2-135m"}}}
+    for key, value in sections.items():
+        base[key] = value
+    return base
+
+
+@pytest.mark.parametrize("written", [
+    {"rollouts": {"long_prompts": "refuse"}},
+    {"analysis": {"cross_scoring": []}},
+    {"configs": {"c": {"model": "smollm2-135m", "stop": []}}},
+    {"prompt": {"shots": []}},
+    {"replay": {"replicates": 1}},
+    {"configs": {"c": {"model": "smollm2-135m", "cpu_threads": 2}}},
+    {"replay": {"serial_pivots": 30}},  # no serial pass: no step reads it
+], ids=lambda w: ".".join(str(k) for k in _path(w)))
+def test_a_documented_default_written_out_validates_to_the_config_without_it(written):
+    """The validated mapping is what the analysis hash and every rule's params read: equal mappings give equal
+    fingerprints and rerun nothing (an audit found long_prompts: refuse rerunning the rollouts and every pass)."""
+    assert validate_config(_tiny(**written)) == validate_config(_tiny())
+    assert analysis_hash(validate_config(_tiny(**written))) == analysis_hash(validate_config(_tiny()))
+
+
+def _path(mapping):
+    key = next(iter(mapping))
+    value = mapping[key]
+    return [key, *(_path({k: v for k, v in value.items() if k != "model"}) if isinstance(value, dict) and
+                   any(k != "model" for k in value) else [])]
+
+
+def test_lists_that_are_sets_fingerprint_alike_in_any_order():
+    a = _tiny(configs={"c": {"model": "smollm2-135m", "stop": ["\n", "Q:"]}},
+              pivots={"align_to_block": True, "block_offsets": [2, 0, 1]})
+    b = _tiny(configs={"c": {"model": "smollm2-135m", "stop": ["Q:", "\n", "Q:"]}},
+              pivots={"align_to_block": True, "block_offsets": [0, 1, 2]})
+    assert validate_config(a) == validate_config(b)

@@ -36,14 +36,14 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content']
 CLOSE_SPREAD = 2.0
 
 
-def save_tiny_chat_model(path, seed: int = 0, close: bool = False):
+def save_tiny_chat_model(path, seed: int = 0, close: bool = False, hidden: int = 32, intermediate: int = 64):
     """A local HF model directory as a user would give one: a random two-layer Llama in safetensors with a
     byte-level BPE tokenizer that has a chat template. Seconds to make; no GGUF, no download.
 
     With ``close``, its answer tokens stay near-tied, their order set by the context: one hidden dimension of
     every embedding is large, so the final norm keeps it large, and the output layer lifts all answers by it
     alike. Then most positions are low-margin (pivots) and sampled continuations differ, as a workflow run's
-    mechanics need."""
+    mechanics need. ``hidden`` and ``intermediate``: wider layers, whose CPU GEMMs sum by thread count."""
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -57,7 +57,7 @@ def save_tiny_chat_model(path, seed: int = 0, close: bool = False):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|end|>", pad_token="<|pad|>",
                                         chat_template=TINY_CHAT_TEMPLATE)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                       bos_token_id=None, tie_word_embeddings=False)

@@ -7,19 +7,21 @@ from pathlib import Path
 
 from replaynoise.engines.base import Engine
 from replaynoise.progress import Phases, process_seconds
-from replaynoise.settings import EngineSettings
+from replaynoise.settings import EngineSettings, compute_threads
 
 ENGINES = ("hf", "vllm")
 
 
 def make_engine(settings: dict, model_dir: Path, *, topk: int, threads: int) -> Engine:
-    """Build the engine a configuration names (``settings``: as validated), with its model loaded offline.
+    """Build the engine a configuration names (``settings``: as validated), with its model loaded offline. On CPU it
+    computes with the configuration's ``cpu_threads``, not the job's ``threads`` (``settings.compute_threads``).
 
     A platform that cannot do what the configuration asks (vLLM invariant mode off CUDA cc >= 8.0) stops here,
     before the model is loaded. The log gets one line of where the start-up went: a 7B job's fixed cost is
     otherwise invisible beside its loop.
     """
     s = EngineSettings.of(settings)
+    threads = compute_threads(settings, threads)
     started = process_seconds()
     startup = Phases()
     with startup("imports"):

@@ -30,7 +30,12 @@ from replaynoise.plan import (  # noqa: E402
 )
 from replaynoise.io import stable_hash  # noqa: E402
 from replaynoise.provenance import source_digest  # noqa: E402
-from replaynoise.settings import cross_scoring, gpu_reservation_gib, stop_texts  # noqa: E402
+from replaynoise.settings import (  # noqa: E402
+    compute_threads,
+    cross_scoring,
+    gpu_reservation_gib,
+    stop_texts,
+)
 from replaynoise.shards import shard_names  # noqa: E402
 from replaynoise.summary import run_summary  # noqa: E402
 
@@ -99,12 +104,15 @@ def train_recipe(name):
     left out of the train set. Its hash names the trained model, so configurations with one recipe share it."""
     settings = config["configs"][name]
     same_source = settings["train"]["dataset"] == config["dataset"]["source"]
+    device = "cuda" if settings["device"].startswith("cuda") else settings["device"]  # cuda:0 is the first GPU
     return {
         "train": settings["train"],
         "prompt": config["prompt"],
         "stop": stop_texts(settings),
-        "device": settings["device"],
+        "device": device,
         "excluded": {**config["dataset"], "seed": config["seed"]} if same_source else None,
+        # on CPU the training's numbers follow its thread count (replaynoise.settings.compute_threads)
+        **({"cpu_threads": compute_threads(settings, 1)} if device == "cpu" else {}),
     }
 
 
