@@ -57,8 +57,8 @@ def save_tiny_chat_model(path, seed: int = 0, close: bool = False, hidden: int =
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|end|>", pad_token="<|pad|>",
                                         chat_template=TINY_CHAT_TEMPLATE)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                       bos_token_id=None, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
