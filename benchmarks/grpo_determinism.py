@@ -28,7 +28,8 @@ else:  # a run made before the training problems were a step's output: chosen ag
     excluded = []
     if origin["train"]["dataset"] == read_json(results / "provenance.json")["config"]["dataset"]["source"]:
         excluded = read_parquet(next((results / "problems").glob("*.parquet")))["question"].to_list()
-    problems = training_set(origin["train"]["dataset"], run / "resources" / "packages", excluded)
+    problems = training_set(origin["train"]["dataset"], run / "resources" / "packages", excluded,
+                            origin["train"]["prompts_per_step"])
 tmp = Path(tempfile.mkdtemp())
 start = time.time()
 info = train_grpo(base, tmp / "again", tmp / "work", train=origin["train"], prompt=origin["prompt"],

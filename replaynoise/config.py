@@ -13,6 +13,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from replaynoise.datasets import packaged_rows
 from replaynoise.io import stable_hash
 from replaynoise.loading import check_local_model_dir
 from replaynoise.models import (
@@ -307,15 +308,16 @@ def _check_semantics(config: dict) -> None:
                 f"rollout tokens plus {config['replay']['max_new_tokens']} continuation tokens reach {budget}, "
                 f"beyond the {context} positions {settings['model']} attends over (with the prompt)")
         _check_engine(name, settings, run_passes(config["replay"]))
-        _check_training(name, settings)
+        _check_training(name, settings, config["dataset"])
         _check_vllm_settings(name, settings, budget, context, heads, config["resources"]["gpus"])
     _check_passes(config["replay"]["passes"])
     _check_cross_scoring(config)
 
 
-def _check_training(name: str, settings: dict) -> None:
+def _check_training(name: str, settings: dict, dataset: dict) -> None:
     """A train block whose completions do not split into equal micro-batches would leave some unused (TRL
-    refuses it deep inside its setup); said here, with both numbers."""
+    refuses it deep inside its setup), and one whose train set cannot fill a step would train no step (a trainer
+    ends quietly at step 0): said here, with the numbers, before any model is prepared."""
     train = settings.get("train")
     if train is None:
         return
@@ -323,7 +325,14 @@ def _check_training(name: str, settings: dict) -> None:
         raise ConfigError(f"config key configs.{name}.device: {settings['device']!r} with a train block - training "
                           "runs on the first visible GPU; set device: cuda and choose the GPU with "
                           "CUDA_VISIBLE_DEVICES")
-    completions = train["prompts_per_step"] * train["generations"]
+    per_step = train["prompts_per_step"]
+    left = packaged_rows(train["dataset"]) - (dataset["n_problems"] if train["dataset"] == dataset["source"] else 0)
+    if left < per_step:
+        raise ConfigError(f"config keys configs.{name}.train.dataset and train.prompts_per_step: {train['dataset']} "
+                          f"has {packaged_rows(train['dataset'])} problems, {left} once the evaluation's "
+                          f"{dataset['n_problems']} (dataset.n_problems) are taken out, fewer than the "
+                          f"{per_step} distinct prompts one step needs: no step could be taken")
+    completions = per_step * train["generations"]
     if completions % train["micro_batch"]:
         raise ConfigError(f"config key configs.{name}.train.micro_batch: {train['micro_batch']} does not divide the "
                           f"{completions} completions of a step (prompts_per_step {train['prompts_per_step']} x "

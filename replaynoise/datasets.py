@@ -303,12 +303,22 @@ def read_problems(source: str, path: str | None, cache_dir: Path) -> LoadedProbl
                           {p["problem_id"]: where for (where, _), p in zip(records, problems)}, digest)
 
 
-def training_set(source: str, cache_dir: Path, exclude: list[str]) -> pl.DataFrame:
+def packaged_rows(source: str) -> int:
+    """How many problems a packaged source holds (from the registry: nothing is fetched)."""
+    return SIMPLE_POOL_SIZE if source == SIMPLE_SOURCE else PACKAGED_DATASETS[source].rows
+
+
+def training_set(source: str, cache_dir: Path, exclude: list[str], per_step: int) -> pl.DataFrame:
     """The problems a model is trained on: a packaged set without the questions ``exclude`` (the evaluation's
-    sampled problems, where they come from the same set: a model must not be scored on what it was trained on)."""
+    sampled problems, where they come from the same set: a model must not be scored on what it was trained on).
+    Fewer than one step's ``per_step`` distinct prompts would make a training of no step, which trainers end
+    quietly at step 0 with the base weights: refused, with both sizes."""
     kept = load_problems(source, None, cache_dir).filter(~pl.col("question").is_in(exclude))
-    if kept.height == 0:
-        raise ValueError(f"train.dataset {source!r}: no problem is left once the evaluation's are taken out")
+    if kept.height < per_step:
+        raise ValueError(f"train.dataset {source!r}: {kept.height} problems are left once the evaluation's "
+                         f"{len(exclude)} are taken out, fewer than train.prompts_per_step ({per_step}), the "
+                         "distinct prompts of one step; lower dataset.n_problems or prompts_per_step, or train on "
+                         "another dataset")
     return kept
 
 

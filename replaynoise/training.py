@@ -105,11 +105,15 @@ def train_grpo(base_dir: Path, out_dir: Path, work_dir: Path, *, train: dict, pr
     if resume:
         print(f"resuming training from {resume}", file=sys.stderr, flush=True)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    taken = int(trainer.state.global_step)
+    if taken < train["steps"]:  # a trainer that runs out of batches ends early and says so only in its log
+        raise RuntimeError(f"training took {taken} of the {train['steps']} steps train.steps asks for (train set of "
+                           f"{problems.height} problems, {train['prompts_per_step']} a step); no model is published")
     log = training_log(trainer.state.log_history)
     write_training_log(log, log_csv)
     base = read_json(Path(base_dir) / "replaynoise-model.json")
     origin = {"kind": "trained", "method": train["method"], "base": base, "train": train, "prompt": prompt,
-              "stop": list(stops), "device": device, "train_problems": problems.height,
+              "stop": list(stops), "device": device, "train_problems": problems.height, "steps_taken": taken,
               "versions": {p: package_version(p) for p in ("trl", "transformers", "torch")}}
     return save_model(trainer.model, tokenizer, dtype, Path(out_dir), origin, weights)
 
@@ -122,10 +126,22 @@ def last_checkpoint(work: Path) -> Path | None:
     return max(whole, key=lambda p: int(p.name.split("-")[-1]), default=None)
 
 
+def check_finite(model, train: dict) -> None:
+    """Refuse weights that are not finite (a training that diverged: a learning rate of 1e6 gives NaN), naming
+    the first such tensor and the key to change, before anything is published: a later rollout would otherwise
+    fail deep inside sampling with an index error."""
+    for name, param in model.named_parameters():
+        if not torch.isfinite(param).all():
+            raise ValueError(f"the trained weights are not finite ({name} holds NaN or inf): the training diverged; "
+                             f"lower train.learning_rate ({train.get('learning_rate')}) or train.steps. No model "
+                             "is published")
+
+
 def save_model(model, tokenizer, dtype: str, out_dir: Path, origin: dict, base: Path) -> dict:
     """Write a prepared model directory in ``dtype`` (the configuration's), atomically. Its config and generation
     config are the base model's: transformers' Trainer rewrites the model's end token to the tokenizer's, and a
     trained model that stopped elsewhere than its base would differ at evaluation in more than its weights."""
+    check_finite(model, origin.get("train", {}))
     with staging_dir(out_dir) as tmp:
         model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+import torch
 from helpers import built_once, clone_run, planned_rules, snakemake, with_setting
 from tinymodel import save_tiny_chat_model
 from transformers import TrainerCallback
@@ -163,7 +164,7 @@ def test_a_killed_training_resumes_from_its_checkpoint_to_the_same_weights(tmp_p
     def train(out: str, work: str):
         return train_grpo(base, tmp_path / out, tmp_path / work, train={**TRAIN_DEFAULTS, **TRAIN}, prompt=PROMPT,
                           stops=[], dtype="float32", device="cpu", threads=2,
-                          problems=training_set("simple_addsub", tmp_path, []), log_csv=tmp_path / f"{out}.csv",
+                          problems=training_set("simple_addsub", tmp_path, [], 1), log_csv=tmp_path / f"{out}.csv",
                           scratch_key="k")
 
     whole = train("whole", "work-whole")
@@ -197,3 +198,56 @@ def test_a_checkpoint_killed_while_saving_is_not_resumed(tmp_path):
             (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     assert training.last_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
     assert training.last_checkpoint(tmp_path / "none") is None
+
+
+def test_a_train_set_smaller_than_one_step_is_refused_before_any_model_is_prepared(tmp_path):
+    """simple_addsub has 500 problems; with 498 taken for evaluation, 2 are left for steps of 4 prompts: a
+    trainer would end at step 0 and publish the base weights as trained. Refused when the config is read, by key
+    and sizes, and again where the train set is made (questions the evaluation shares are taken out by text)."""
+    config = {"dataset": {"source": "simple_addsub", "n_problems": 498},
+              "configs": {"a": {"model": "smollm2-135m", "train": TRAIN}}}
+    with pytest.raises(ConfigError, match=r"train\.dataset and train\.prompts_per_step: simple_addsub has 500 "
+                                          r"problems, 2 once the evaluation's 498"):
+        validate_config(config)
+    excluded = training_set("simple_addsub", tmp_path, [], 1)["question"].to_list()[:498]
+    with pytest.raises(ValueError, match=r"2 problems are left .* fewer than train\.prompts_per_step \(4\)"):
+        training_set("simple_addsub", tmp_path, excluded, 4)
+
+
+def _train_with(trainer_class, tmp_path, monkeypatch, train=None):
+    base = tmp_path / "base"
+    prepare_model(str(save_tiny_chat_model(tmp_path / "tiny")), "float32", base, tmp_path)
+    monkeypatch.setattr(training, "GRPOTrainer", trainer_class)
+    return train_grpo(base, tmp_path / "out", tmp_path / "work", train={**TRAIN_DEFAULTS, **TRAIN, **(train or {})},
+                      prompt=PROMPT, stops=[], dtype="float32", device="cpu", threads=1,
+                      problems=training_set("simple_addsub", tmp_path, [], 4), log_csv=tmp_path / "log.csv",
+                      scratch_key="k")
+
+
+def test_a_training_that_takes_fewer_steps_than_asked_publishes_nothing(tmp_path, monkeypatch):
+    class EndsAtStepZero(training.GRPOTrainer):
+        def train(self, **_):  # what a trainer does with too few batches: returns, having taken no step
+            return None
+
+    with pytest.raises(RuntimeError, match=r"training took 0 of the 3 steps train\.steps asks for"):
+        _train_with(EndsAtStepZero, tmp_path, monkeypatch)
+    assert not (tmp_path / "out").exists()
+
+
+def test_weights_that_are_not_finite_are_refused_at_publication_naming_the_key(tmp_path, monkeypatch):
+    """A learning rate of 1e6 gives NaN weights, which a later rollout only met as an index error in sampling."""
+    class Diverges(training.GRPOTrainer):
+        def train(self, **_):
+            with torch.no_grad():
+                next(self.model.parameters()).fill_(float("nan"))
+            self.state.global_step = 3
+
+    with pytest.raises(ValueError, match=r"not finite .* lower train\.learning_rate \(1000000\.0\)"):
+        _train_with(Diverges, tmp_path, monkeypatch, train={"learning_rate": 1.0e6})
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_published_model_records_the_steps_it_took(trained_run):
+    run, _, _ = trained_run
+    records = [read_json(p) for p in (run / "results" / "models").glob("*-grpo-*/replaynoise-model.json")]
+    assert records and all(r["origin"]["steps_taken"] == r["origin"]["train"]["steps"] for r in records)

@@ -16,6 +16,7 @@ rule training_problems:
     params:
         code=code_version("training_problems"),
         dataset=lambda w: TRAINED[w.model_key]["recipe"]["train"]["dataset"],
+        per_step=lambda w: TRAINED[w.model_key]["recipe"]["train"]["prompts_per_step"],
         cache=PACKAGE_DIR,
     script:
         "../scripts/training_problems.py"

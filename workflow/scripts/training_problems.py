@@ -10,4 +10,4 @@ from replaynoise.io import read_parquet, write_parquet  # noqa: E402
 
 p = snakemake.params
 excluded = read_parquet(snakemake.input.excluded[0])["question"].to_list() if snakemake.input.excluded else []
-write_parquet(training_set(p.dataset, Path(p.cache), excluded), snakemake.output[0])
+write_parquet(training_set(p.dataset, Path(p.cache), excluded, p.per_step), snakemake.output[0])
