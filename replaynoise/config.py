@@ -37,7 +37,7 @@ RESERVED_CONFIG_NAMES = ("pooled",)
 #: pattern ends in ``$``, which also matches before a final newline.
 CONFIG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 #: Characters no name that becomes a file name may hold: control characters (a newline splits a manifest line).
-CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f]")
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")
 
 
 class ConfigError(ValueError):

@@ -201,3 +201,31 @@ def stable_hash(obj: Any) -> str:
     """A short hash of a JSON-able object, independent of key order."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+#: A ``sha256sum`` line: 64 hex digits, a space, a space (text) or '*' (binary), the path.
+MANIFEST_LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
+#: What ends a line for str.splitlines besides "\n" (U+2028, U+0085, ...): never a line break to sha256sum, so
+#: never in a name that becomes a manifest line (a problem id, a configuration name).
+LINE_BREAKS = re.compile(r"[\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, str]:
+    """A ``sha256sum`` manifest as {relative path: digest}, read as ``sha256sum -c`` reads it: lines end at "\\n"
+    alone, each holds a digest, a space, a space or '*', and the path. Anything else is refused by file and line
+    (a reviewer's check must name a bad line, never crash on it)."""
+    entries: dict[str, str] = {}
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line:
+            continue
+        match = MANIFEST_LINE.fullmatch(line)
+        if match is None:
+            raise ValueError(f"{path}:{number}: not a sha256sum line: {line[:120]!r}")
+        if match.group(2) in entries:
+            raise ValueError(f"{path}:{number}: {match.group(2)!r} is listed twice")
+        entries[match.group(2)] = match.group(1).lower()
+    return entries

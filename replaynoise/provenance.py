@@ -17,8 +17,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from replaynoise.config import analysis_hash as config_hash
 from replaynoise.config import deviations
-from replaynoise.io import read_json, sha256_file, write_text
+from replaynoise.io import read_json, read_manifest, sha256_file, write_text
 
 #: Packages whose versions go into provenance.json.
 TRACKED_PACKAGES = (
@@ -49,18 +50,50 @@ def write_manifest(paths: list[str | os.PathLike], root: str | os.PathLike, targ
 
 
 def verify_manifest(results_dir: str | os.PathLike, manifest: str | os.PathLike) -> list[str]:
-    """Recompute every checksum in ``manifest``; return a line per file that is missing or differs."""
+    """Recompute every checksum in ``manifest``; return a line per file that is missing or differs (a malformed
+    manifest: one line naming the file and line)."""
     root = Path(results_dir)
     problems = []
-    for line in Path(manifest).read_text().splitlines():
-        if not line.strip():
-            continue
-        digest, rel = line.split("  ", 1)
+    try:
+        entries = read_manifest(manifest)
+    except (OSError, ValueError) as exc:
+        return [f"MALFORMED {exc}"]
+    for rel, digest in entries.items():
         path = root / rel
         if not path.exists():
             problems.append(f"MISSING {rel}")
         elif sha256_file(path) != digest:
             problems.append(f"DIFFERS {rel}")
+    return problems
+
+
+def verify_coverage(manifest: str | os.PathLike, expected: list[str]) -> list[str]:
+    """A line per output the run's plan makes (``expected``: files, relative to the results folder) that the
+    manifest does not list: a table deleted together with its manifest line leaves a manifest whose every line
+    checks out."""
+    try:
+        listed = read_manifest(manifest)
+    except (OSError, ValueError):
+        return []  # verify_manifest names it
+    return [f"UNLISTED {rel} (the run's plan makes it; the manifest has no line for it)"
+            for rel in expected if rel not in listed]
+
+
+def verify_settings(provenance: str | os.PathLike, config: dict, analysis_hash: str) -> list[str]:
+    """Lines where ``provenance`` does not record the settings of the run being verified: its analysis hash must be
+    this configuration's and the hash of the configuration it records (an edited config no longer hashes to the
+    recorded value)."""
+    record = read_json(provenance)
+    recorded = record.get("analysis_hash")
+    problems = []
+    if recorded != analysis_hash:
+        problems.append(f"SETTINGS provenance.json records analysis hash {recorded}, this configuration's is "
+                        f"{analysis_hash} (verify with the configuration the run was made with)")
+    config_recorded = record.get("config")
+    own = config_hash(config_recorded) if isinstance(config_recorded, dict) else "(no configuration)"
+    if own != recorded:
+        problems.append(f"SETTINGS provenance.json's config hashes to {own}, not to the analysis hash it records "
+                        f"({recorded}): it was edited after the run")
     return problems
 
 

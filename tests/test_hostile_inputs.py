@@ -45,6 +45,8 @@ def jsonl(path: Path, rows: list[dict]) -> Path:
     "../../../../../../../../../../tmp/x",  # wrote /tmp/x.r0.safetensors
     "a/b",  # failed only in the replay pass, as "deleted or moved"
     "two\nlines",  # split its line of MANIFEST.sha256
+    "two\u2028lines",  # passed, and Python's str.splitlines split the manifest line: verify crashed
+    "two\x85lines",
     "x" * 245,  # File name too long, after generation
 ])
 def test_an_id_that_cannot_name_a_file_is_refused_by_file_and_line(tmp_path, bad_id):

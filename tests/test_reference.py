@@ -10,6 +10,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from replaynoise.provenance import verify_manifest
 from replaynoise.reference import channel_data, compare, main, read_manifest, snapshot
 
 GPU = Path(__file__).resolve().parents[1] / "reference" / "gpu"
@@ -272,3 +273,34 @@ def test_a_snapshot_holds_exactly_what_its_manifest_lists_and_keeps_the_files_be
     assert (ref / "README.md").read_text() == "what this run is"
     assert not (ref / "tables" / "old.md").exists()
     assert (ref / "tables" / "headline.csv").read_text() == "config,excess_pp\na,1.0\n"
+
+
+def test_compare_and_rebuild_check_each_folder_against_its_own_manifest_first(tmp_path, capsys):
+    """An edited committed table passed both: compare read only the manifests ("42 of 42 reference files
+    identical"), rebuild only its rebuilt files (gemma's headline.md edited, 475 -> 575, exited 0)."""
+    reference = tmp_path / "gemma"
+    shutil.copytree(GPU / "gemma", reference)
+    md = reference / "tables" / "headline.md"
+    md.write_text(md.read_text().replace("475", "575"))
+    assert main(["rebuild", str(reference), str(tmp_path / "out")]) == 1
+    assert f"edited: {md} differs from its manifest" in capsys.readouterr().out
+    rerun = tmp_path / "rerun"
+    shutil.copytree(GPU / "gemma", rerun)
+    assert main(["compare", str(reference), str(rerun)]) == 1
+    out = capsys.readouterr().out
+    assert "edited:" in out and "tables/headline.md" in out and "identical" not in out
+
+
+@pytest.mark.parametrize("line", ["not a manifest line", f"{'a' * 64}  ok\u2028x", f"{'a' * 63}  short"])
+def test_a_malformed_manifest_is_named_by_file_and_line_never_a_crash(tmp_path, line):
+    """Manifests are read as sha256sum -c reads them: lines end at "\\n" alone (U+2028 is no line break), and a
+    bad line is named, by the reviewer's check and by verify alike."""
+    manifest = tmp_path / "MANIFEST.sha256"
+    manifest.write_text(f"{'b' * 64}  first\n{line}\n")
+    if "\u2028" in line:  # a path with U+2028 is one path to sha256sum: read so, and missing here
+        assert read_manifest(manifest) == {"first": "b" * 64, "ok\u2028x": "a" * 64}
+        return
+    with pytest.raises(ValueError, match="MANIFEST.sha256:2: not a sha256sum line"):
+        read_manifest(manifest)
+    assert verify_manifest(tmp_path, manifest)[0].startswith("MALFORMED") and "MANIFEST.sha256:2" in \
+        verify_manifest(tmp_path, manifest)[0]

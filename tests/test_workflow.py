@@ -106,6 +106,35 @@ def test_verify_target_reports_a_changed_file(finished_run):
         table.write_bytes(original)
 
 
+def test_verify_catches_a_table_removed_with_its_line_and_an_edited_provenance(finished_run):
+    """Tampering that keeps every remaining line true: a pass table deleted together with its manifest line, and
+    provenance.json's configuration edited. The plan's outputs and the recorded settings are checked too."""
+    results = finished_run / "results"
+    manifest, provenance = results / "MANIFEST.sha256", results / "provenance.json"
+    originals = {path: path.read_bytes() for path in (manifest, provenance)}
+    table = results / "passes" / "tiny" / "refeed.parquet"
+    moved = finished_run / "refeed.parquet.aside"
+    try:
+        table.rename(moved)
+        manifest.write_text("".join(line + "\n" for line in manifest.read_text().split("\n")
+                                    if line and not line.endswith("  passes/tiny/refeed.parquet")))
+        proc = snakemake(finished_run, TINY, "verify", check=False)
+        assert proc.returncode != 0 and "UNLISTED passes/tiny/refeed.parquet" in proc.stdout + proc.stderr
+        moved.rename(table)
+        manifest.write_bytes(originals[manifest])
+        record = json.loads(originals[provenance])
+        record["config"]["replay"]["k"] = 99
+        provenance.write_text(json.dumps(record))
+        proc = snakemake(finished_run, TINY, "verify", check=False)
+        assert proc.returncode != 0 and "provenance.json's config hashes to" in proc.stdout + proc.stderr
+    finally:
+        if moved.exists():
+            moved.rename(table)
+        for path, data in originals.items():
+            path.write_bytes(data)
+    snakemake(finished_run, TINY, "verify")
+
+
 def test_report_renders(finished_run):
     snakemake(finished_run, TINY, "--report", "results/report.html")
     html = (finished_run / "results" / "report.html").read_text(errors="replace")

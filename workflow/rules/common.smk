@@ -383,6 +383,12 @@ def manifest_inputs(wildcards=None):
     return files
 
 
+def manifest_expected_files():
+    """The files of ``manifest_inputs`` (not its folders: a model's, a shard's KV), relative to results/."""
+    folders = {model_path(key) for key in [*MODEL_KEYS, *TRAINED]} | {kv_dir(c, s) for c in CONFIGS for s in SHARDS}
+    return sorted(str(Path(f).relative_to("results")) for f in manifest_inputs() if f not in folders)
+
+
 def code_version(script):
     """A digest of the library code ``workflow/scripts/<script>.py`` runs, as a param: editing a module reruns
     exactly the steps whose scripts import it, directly or not (Snakemake tracks a rule's script, not what the

@@ -30,6 +30,10 @@ rule verify:
     params:
         manifest=MANIFEST,
         provenance=PROVENANCE,
+        # the files this configuration's plan makes (a folder's files are listed when it is written)
+        expected=lambda w: manifest_expected_files(),
+        config=config,
+        analysis_hash=ANALYSIS_HASH,
     script:
         "../scripts/verify.py"
 
