@@ -190,7 +190,8 @@ def _problem(row: dict[str, Any], index: int, where: str, dataset: str, spec: Pa
 
 #: A problem id names its rollouts' stored KV files (``<id>.r<n>.safetensors``) and lines of MANIFEST.sha256: no
 #: folder separator (a path like ../../x would write outside results/), no control character and no Unicode line
-#: break (U+0085, U+2028, U+2029: a newline, or what Python's str.splitlines reads as one, splits a manifest line), and short enough that the longest file name made from it stays within the 255 bytes of a name.
+#: break (U+0085, U+2028, U+2029: a newline, or what Python's str.splitlines reads as one, splits a manifest line),
+#: and short enough that the longest file name made from it stays within the 255 bytes of a name.
 UNSAFE_ID = re.compile(r"[/\\\x00-\x1f\x7f\x85\u2028\u2029]")
 MAX_ID_BYTES = 200
 
@@ -198,8 +199,9 @@ MAX_ID_BYTES = 200
 def check_problem_id(problem_id: str, where: str) -> None:
     """Refuse an id that cannot name a file, by the row it came from, before any step makes a file of it."""
     if UNSAFE_ID.search(problem_id) or problem_id.startswith("."):
-        raise ValueError(f"{where}: problem id {problem_id!r} cannot name a file (it has '/', '\\' or a control "
-                         "character or line break such as a newline or U+2028, or starts with '.'); change the row's id")
+        raise ValueError(f"{where}: problem id {problem_id!r} cannot name a file (it has '/', '\\', a control "
+                         "character or a line break such as a newline or U+2028, or starts with '.'); change the "
+                         "row's id")
     if len(problem_id.encode()) > MAX_ID_BYTES:
         raise ValueError(f"{where}: problem id {_shorten(problem_id)!r} is {len(problem_id.encode())} bytes long; "
                          f"file names made from it need it at most {MAX_ID_BYTES}")
