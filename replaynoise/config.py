@@ -19,11 +19,12 @@ from replaynoise.loading import check_local_model_dir
 from replaynoise.models import (
     attention_heads,
     context_length,
+    hidden_layers,
     model_source_files,
     resolve_model_spec,
 )
 from replaynoise.overlays import apply_overlay
-from replaynoise.passes import canonical_order, pass_spec, run_passes
+from replaynoise.passes import LAYER_PASS, canonical_order, pass_spec, run_passes
 from replaynoise.settings import INVARIANT_PROMPT, INVARIANT_ROWS, cross_scoring
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -158,6 +159,8 @@ def _fill_engine_settings(schema: dict, config: dict, as_given: dict) -> None:
             given = ((as_given.get("configs") or {}).get(name) or {}).get("vllm", {})
             if not isinstance(given, dict):
                 continue  # not a mapping: the schema names it
+            # the values given, by type, before any is derived or replaced (a string "yes" is no boolean)
+            _refuse_invalid(vllm_schema, given, f"configs.{name}.vllm")
             if settings.get("kernels") == "invariant":
                 if given.get("eager") is False:
                     raise ConfigError(
@@ -173,15 +176,22 @@ def _fill_engine_settings(schema: dict, config: dict, as_given: dict) -> None:
                 # CUDA graphs are a GPU's; torch.compile of a model on a CPU costs minutes a job, for nothing here
                 given = {"eager": True, **given, "async_scheduling": False}
             settings["vllm"] = _fill_defaults(vllm_schema, copy.deepcopy(given))
-        elif isinstance(settings.get("vllm"), dict) and tensor_parallel_size(settings) > 1:
-            raise ConfigError(f"config key configs.{name}.vllm.tensor_parallel_size: the {settings.get('engine')!r} "
-                              "engine runs on one GPU; tensor parallelism is vLLM's (engine: vllm)")
-        elif "vllm" in settings:
+        elif "vllm" in settings:  # whatever it holds (a tensor_parallel_size of "2" once crashed the parse here)
             raise ConfigError(f"config key configs.{name}.vllm: settings of the vllm engine, but this configuration's "
-                              f"engine is {settings.get('engine')!r}; remove the block or set engine: vllm")
+                              f"engine is {settings.get('engine')!r}; remove the block (tensor parallelism too: the "
+                              "HF engine runs on one GPU) or set engine: vllm")
     replay = config.get("replay")
     if isinstance(replay, dict) and "serial" in (replay.get("passes") or []):
         replay.setdefault("serial_pivots", SERIAL_PIVOTS)
+
+
+def _refuse_invalid(schema: dict, value: Any, where: str) -> None:
+    """Validate ``value`` against ``schema`` now, naming keys under ``where``."""
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(value), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = [f"config key {where}{'.' + _key_path(e) if e.absolute_path else ''}: {_describe(e)}"
+                 for e in _leaf_errors(errors)]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines))
 
 
 def _fill_invariant_shape(config: dict) -> None:
@@ -311,6 +321,7 @@ def _check_semantics(config: dict) -> None:
         _check_training(name, settings, config["dataset"])
         _check_vllm_settings(name, settings, budget, context, heads, config["resources"]["gpus"])
     _check_passes(config["replay"]["passes"])
+    _check_layer_passes(config)
     _check_cross_scoring(config)
 
 
@@ -339,12 +350,32 @@ def _check_training(name: str, settings: dict, dataset: dict) -> None:
                           f"generations {train['generations']}); choose a divisor of {completions}")
 
 
+def _check_layer_passes(config: dict) -> None:
+    """A per-layer transplant's L must lie within each configuration's model (transplant_refeed_lo99 on a 2-layer
+    model was refused only inside the pass, naming neither the key nor the pass)."""
+    layer_passes = [(p, int(m.group(2))) for p in config["replay"]["passes"] if (m := LAYER_PASS.fullmatch(p))]
+    if not layer_passes:
+        return
+    for name, settings in config["configs"].items():
+        layers = hidden_layers(settings["model"])
+        for pass_name, layer in layer_passes:
+            if layers is not None and layer > layers:
+                raise ConfigError(f"config key replay.passes: {pass_name!r} transplants at layer {layer}, but "
+                                  f"configs.{name}'s model {settings['model']} has {layers} layers; choose L from 0 "
+                                  f"to {layers}")
+
+
 def _check_cross_scoring(config: dict) -> None:
     """Each pair names two configurations of the run, different ones, of the same model: a scorer of another
     model would read the rollouts' token ids with another vocabulary."""
     configs = config["configs"]
+    seen: dict[tuple[str, str], int] = {}
     for i, pair in enumerate(cross_scoring(config["analysis"])):
         key = f"analysis.cross_scoring[{i}]"
+        if tuple(pair) in seen:
+            raise ConfigError(f"config key {key}: the pair (rollouts {pair[0]!r}, scorer {pair[1]!r}) is given twice "
+                              f"(first as analysis.cross_scoring[{seen[tuple(pair)]}]); give each pair once")
+        seen[tuple(pair)] = i
         for role, name in zip(("rollouts", "scorer"), pair):
             if name not in configs:
                 raise ConfigError(f"config key {key}.{role}: {name!r} is not a configuration of this run "

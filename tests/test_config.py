@@ -554,7 +554,7 @@ def test_tensor_parallelism_is_hashed_only_above_one_gpu(committed):
     (3, 1, {}, r"vllm\.tensor_parallel_size: 3 GPUs per job, but resources\.gpus lets a job hold 1"),
     (2, 4, {}, r"vllm\.tensor_parallel_size: 2 does not divide the 9 attention heads of smollm2-135m"),
     (3, 4, {"device": "cpu", "block_size": 32}, r"vllm\.tensor_parallel_size: 3 on device cpu"),
-    (3, 4, {"engine": "hf"}, r"configs\.smollm2-bf16\.vllm\.tensor_parallel_size: the 'hf' engine runs on one GPU"),
+    (3, 4, {"engine": "hf"}, r"smollm2-bf16\.vllm: settings of the vllm engine, but .* 'hf'.* runs on one GPU"),
 ])
 def test_bad_tensor_parallelism_is_refused_at_parse_time_by_key(committed, tp, gpus, settings, message):
     with pytest.raises(ConfigError, match=message):
@@ -650,3 +650,43 @@ def test_lists_that_are_sets_fingerprint_alike_in_any_order():
     b = _tiny(configs={"c": {"model": "smollm2-135m", "stop": ["Q:", "\n", "Q:"]}},
               pivots={"align_to_block": True, "block_offsets": [0, 1, 2]})
     assert validate_config(a) == validate_config(b)
+
+
+# ------------------------------------------------------------------- refused by key, never a crash, never late
+
+@pytest.mark.parametrize("tp", ["2", None, [2], 2])
+def test_a_vllm_block_on_an_hf_configuration_is_refused_by_key_whatever_it_holds(tp):
+    config = {"configs": {"c": {"model": "smollm2-135m", "vllm": {"tensor_parallel_size": tp}}}}
+    with pytest.raises(ConfigError, match=r"configs\.c\.vllm: settings of the vllm engine"):
+        validate_config(config)
+
+
+@pytest.mark.parametrize("given, kernels, device, key", [
+    ({"async_scheduling": "yes"}, "stock", "cpu", "async_scheduling"),
+    ({"eager": "no"}, "invariant", "cuda", "eager"),
+    ({"max_num_seqs": "256"}, "stock", "cuda", "max_num_seqs"),
+])
+def test_a_vllm_setting_of_the_wrong_type_is_refused_not_replaced(given, kernels, device, key):
+    """A string "yes" was silently replaced by the CPU default (and "no" under invariant by true)."""
+    config = {"configs": {"c": {"model": "smollm2-135m", "engine": "vllm", "kernels": kernels, "device": device,
+                                "block_size": 32, "vllm": given}}}
+    with pytest.raises(ConfigError, match=rf"configs\.c\.vllm\.{key}: .* is not of type"):
+        validate_config(config)
+
+
+def test_a_layer_transplant_beyond_the_model_is_refused_when_the_config_is_read():
+    config = {"configs": {"c": {"model": "smollm2-135m"}},
+              "replay": {"passes": ["exact", "replica", "refeed", "transplant_refeed_lo99"]}}
+    with pytest.raises(ConfigError, match=r"'transplant_refeed_lo99' transplants at layer 99, but configs\.c's "
+                                          r"model smollm2-135m has 30 layers"):
+        validate_config(config)
+    config["replay"]["passes"][-1] = "transplant_refeed_hi30"
+    validate_config(config)
+
+
+def test_a_cross_scoring_pair_given_twice_is_refused():
+    pair = {"rollouts": "a", "scorer": "b"}
+    config = {"configs": {"a": {"model": "smollm2-135m"}, "b": {"model": "smollm2-135m", "dtype": "float16"}},
+              "analysis": {"cross_scoring": [pair, {"rollouts": "b", "scorer": "a"}, dict(pair)]}}
+    with pytest.raises(ConfigError, match=r"cross_scoring\[2\]: the pair .* is given twice .*\[0\]"):
+        validate_config(config)

@@ -317,7 +317,7 @@ def test_a_rebuild_into_its_own_reference_is_refused(tmp_path, capsys, inside):
     ref = shutil.copytree(REPO / "reference" / "gpu" / "qwen-k8", tmp_path / "qwen-k8")
     before = {p: p.read_bytes() for p in ref.rglob("*") if p.is_file()}
     assert reference.main(["rebuild", str(ref), str(ref / inside)]) == 2
-    assert "is the reference folder" in capsys.readouterr().err
+    assert "rebuild would write" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in ref.rglob("*") if p.is_file()} == before
 
 
