@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,14 @@ def planned_rules(workdir: Path, config: dict, *targets: str) -> set[str]:
         if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("job", "total"):
             rules.add(parts[0])
     return rules
+
+
+def rerun_readers(workdir: Path, config: dict) -> set[str]:
+    """The rules a dry run reruns because what they read changed (their params or code; Snakemake's "Rules with
+    provenance triggered jobs"), not because an upstream output did: the steps that read a changed setting."""
+    out = snakemake(workdir, config, "-n").stdout
+    found = re.search(r"Rules with provenance triggered jobs: (.*)", out)
+    return set(found.group(1).split()) if found else set()
 
 
 def copy_linking(src: Path, dest: Path, link: Callable[[Path], bool], **copytree_args) -> Path:
