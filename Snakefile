@@ -57,6 +57,7 @@ onsuccess:
         except Exception as exc:
             print(f"(no summary: {table_file('headline', 'csv')} could not be read: {exc})")
         print(
-            "Tables: results/tables/headline.{md,csv,tex}; figures: results/figures/; "
-            "every file's sha256: results/MANIFEST.sha256"
+            "Tables: results/tables/headline.{md,csv,tex}; figures: results/figures/; every file's sha256: "
+            "results/MANIFEST.sha256; the report with every figure and table: snakemake --report "
+            "results/report.html"
         )

@@ -226,7 +226,8 @@ FLOOR_CONDITIONINGS = ("main", "none")
 def floor_rows(results: Mapping[str, dict] | None) -> pl.DataFrame:
     """Per configuration and conditioning, each disagreement beside the replica floor: D(exact, replica),
     D(exact, refeed), and D(reference, p) for every floor pass p that ran (the re-feed's own floor
-    D(refeed, refeed_replica); the floor without batching D(exact, serial), on the serial pass's pivots)."""
+    D(refeed, refeed_replica); batch-of-one kernels against batched ones, D(exact, serial), on the serial pass's
+    pivots)."""
     rows = []
     for cfg, res in (results or {}).items():
         for cond in FLOOR_CONDITIONINGS:
@@ -258,7 +259,9 @@ def render_floors_markdown(rows: pl.DataFrame, analysis_hash: str) -> str:
              f"analysis hash {analysis_hash}; sign-change rates of Â in %, 95% problem-cluster bootstrap CIs in "
              "brackets. replica: D(exact, replica), the replica floor; refeed: D(exact, refeed); refeed_replica: "
              "D(refeed, refeed_replica), the re-feed's own floor; serial: D(exact, serial), exact resume one "
-             "request at a time, on the serial pass's pivots; replica_fresh: D(exact, replica_fresh), fresh seeds.",
+             "request at a time (batch-of-one kernels) against the batched exact pass, on the serial pass's pivots: "
+             "not a floor without batching, since the two passes run other kernels; replica_fresh: D(exact, "
+             "replica_fresh), fresh seeds.",
              "", "| config | conditioning | pass | vs | n (problems) | disagreement % | pivots that differ |",
              "|---|---|---|---|---|---|---|"]
     for r in rows.iter_rows(named=True):

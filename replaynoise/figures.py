@@ -17,6 +17,7 @@ import numpy as np
 import polars as pl
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 from replaynoise.conditionings import eligible_frame
 from replaynoise.disagreement import disagree
@@ -151,6 +152,7 @@ def plot_mismatch_flips(results: Mapping[str, dict] | None, out_png: PathLike, o
         ax.plot(x, [100 * b["floor_flip_rate"] for b in link["bins"]], "s--", color=f"C{i}", alpha=0.6,
                 label=f"{cfg}: replica floor")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())  # a narrow span labels its minor ticks, which overlap
     ax.set_xlabel("prefix k3_kl of the pivot's re-feed (bin median)")
     ax.set_ylabel("% pivots whose estimate flips")
     _finish(fig, ax, title, out_png, out_pdf, legend_size=7)

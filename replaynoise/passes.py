@@ -120,7 +120,8 @@ PASSES: dict[str, PassSpec] = {
                                "prefilled anew): the re-feed's own floor", reference="refeed", draw=("refeed", 2)),
     "replica_fresh": PassSpec(PrefixSource("decode_kv"), "fresh", "exact with fresh seeds: the Monte-Carlo floor"),
     "serial": PassSpec(PrefixSource("decode_kv"), "crn",
-                       "exact, one request at a time, on a seeded sample of the pivots: the floor without batching",
+                       "exact, one request at a time, on a seeded sample of the pivots: batch-of-one kernels against "
+                     "the batched exact pass",
                        batch_rows=1, sample_key="serial_pivots"),
     # cache transplants (HF engine): the recipient's own state is built, then the donor's KV swapped in
     "transplant_decode": PassSpec(

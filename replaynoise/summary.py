@@ -43,7 +43,8 @@ def run_summary(headline_csv: str | os.PathLike, conditioning: str = "main") -> 
     where the files are, without opening them. Cells the analysis left undefined print as n/a, with its note."""
     rows = pl.read_csv(headline_csv, comment_prefix="#", infer_schema_length=0)
     rows = rows.filter(pl.col("conditioning") == conditioning).to_dicts()
-    cells = [list(SUMMARY_HEADERS)]
+    replicated = any(str(r.get("pairs")) not in ("", "1", NA, "None") for r in rows)
+    cells = [list(SUMMARY_HEADERS) + (["pairs", "resolved"] if replicated else [])]
     notes = []
     for r in rows:
         excess = _summary_value(r, "excess_pp", 1.0, "{:+.1f}")
@@ -53,10 +54,21 @@ def run_summary(headline_csv: str | os.PathLike, conditioning: str = "main") -> 
         cells.append([r["config"], f"{r['n']} ({r['n_problems']})",
                       _summary_value(r, "refeed_disagreement", 100.0, "{:.1f}"),
                       _summary_value(r, "floor", 100.0, "{:.1f}"), excess,
-                      _summary_value(r, "t_per_problem", 1.0, "{:.2f}")])
+                      _summary_value(r, "t_per_problem", 1.0, "{:.2f}")]
+                     + ([str(r.get("pairs")), {"true": "yes", "false": "no"}.get(str(r.get("resolved")).lower(), NA)]
+                        if replicated else []))
         if r.get("note") not in (None, "", NA):
             notes.append(f"  {r['config']}: {r['note']}")
     metrics = ", ".join(sorted({r["metric"] for r in rows})) or "sign"
     lines = [f"Re-feed against the replica floor ({conditioning} conditioning, {metrics} metric; "
              f"{headline_csv}):"]
-    return "\n".join(lines + aligned(cells, indent="  ") + notes) + "\n"
+    meaning = [
+        "  The excess is how many more pivots (in points of the set) change the sign of their credit when the prefix "
+        "is re-fed than when the decode-time state is replayed again; an interval that excludes 0 means re-feeding "
+        "moved credit beyond the replay noise this run measures.",
+        "  Over replicated passes the interval covers the pass-to-pass noise too (column pairs in the table)."
+        if replicated else
+        "  With one draw per pass the interval covers the problems' noise only; replay.replicates: 3 adds the "
+        "pass-to-pass noise (docs/method.md, section 4).",
+    ]
+    return "\n".join(lines + aligned(cells, indent="  ") + notes + meaning) + "\n"

@@ -109,8 +109,27 @@ def _with_ci(row: dict, key: str, fmt: Callable[[float | None], str]) -> str:
     return f"{fmt(est)} [{fmt(lo)}, {fmt(hi)}]"
 
 
-#: (header, cell function) of the human-readable tables.
-def _display_columns() -> list[tuple[str, Callable[[dict], str]]]:
+def _resolved(r: dict) -> str:
+    return NA if r.get("resolved") is None else ("yes" if r["resolved"] else "no")
+
+
+def _problem_only(r: dict) -> str:
+    lo, hi = r.get("excess_pp_problem_ci_lo"), r.get("excess_pp_problem_ci_hi")
+    return NA if lo is None or hi is None else f"[{lo:+.1f}, {hi:+.1f}]"
+
+
+#: The columns of a replicated run (pairs of draws > 1), set after the excess.
+def _replicated_display() -> list[tuple[str, Callable[[dict], str]]]:
+    return [
+        ("pairs", lambda r: NA if r.get("pairs") is None else str(r["pairs"])),
+        ("problem-only CI", _problem_only),
+        ("pass-level SD pp", lambda r: _with_ci(r, "pass_sd_pp", _fixed(1))),
+        ("resolved", _resolved),
+    ]
+
+
+#: (header, cell function) of the human-readable tables; a replicated run's columns where one is shown.
+def _display_columns(replicated: bool = False) -> list[tuple[str, Callable[[dict], str]]]:
     f2, f3 = _fixed(2), _fixed(3)
     return [
         ("config", lambda r: str(r["config"])),
@@ -121,6 +140,7 @@ def _display_columns() -> list[tuple[str, Callable[[dict], str]]]:
         ("floor % (pol.)", lambda r: _rate_with_polarity(r["floor"], r["floor_polarity_share"])),
         ("paper floor", lambda r: r["paper_floor"]),
         ("excess pp", lambda r: _with_ci(r, "excess_pp", _signed(1))),
+        *(_replicated_display() if replicated else []),
         ("paper excess pp", lambda r: r["paper_excess_pp"]),
         ("per-problem t", lambda r: f2(r["t_per_problem"])),
         ("paper t", lambda r: r["paper_t_per_problem"]),
@@ -138,14 +158,28 @@ def _display_columns() -> list[tuple[str, Callable[[dict], str]]]:
     ]
 
 
+def is_replicated(df: pl.DataFrame) -> bool:
+    """Whether any row is over several pairs of draws (its table then shows their columns)."""
+    return "pairs" in df.columns and bool((df["pairs"].fill_null(1) > 1).any())
+
+
 def _cells(df: pl.DataFrame) -> tuple[list[str], list[list[str]], list[str]]:
-    cols = _display_columns()
+    cols = _display_columns(is_replicated(df))
     rows, notes = [], []
     for r in with_paper_columns(df).iter_rows(named=True):
         rows.append([fn(r) for _, fn in cols])
         if r.get("note"):
             notes.append(f"{r['config']} / {r['conditioning']}: {r['note']}")
     return [h for h, _ in cols], rows, notes
+
+
+REPLICATED_FOOTER = (
+    "Replicated passes (pairs > 1): n (pivots per pair), the rates, the excess and the per-problem t are over the "
+    "pairs of draws (replica r, refeed r); their intervals resample problems and cover the pass-to-pass noise (a "
+    "crossed problems x pairs random-effects model, Satterthwaite t; docs/method.md); problem-only CI: the same "
+    "excess with the draws held fixed, the interval one draw per pass can give; pass-level SD: the spread of a "
+    "pair's excess the pass draw alone makes; resolved: the crossed interval excludes zero. The other columns are "
+    "the first pair's.")
 
 
 def _footer_lines() -> list[str]:
@@ -182,6 +216,7 @@ def render_markdown(df: pl.DataFrame, analysis_hash: str, extra: Sequence[str] =
              "| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
     lines += [""] + [f"- {line}" for line in _footer_lines()]
+    lines += [f"- {REPLICATED_FOOTER}"] if is_replicated(df) else []
     lines += [f"- note: {n}" for n in notes]
     lines += [f"- prefix mismatch: {line}" for line in extra]
     return "\n".join(lines) + "\n"
@@ -205,6 +240,7 @@ def render_latex(df: pl.DataFrame, analysis_hash: str, extra: Sequence[str] = ()
     lines += [" & ".join(tex_escape(c) for c in row) + r" \\" for row in rows]
     lines += [r"\bottomrule", r"\end{tabular}", "", r"\par\footnotesize"]
     lines += [tex_escape(line) + r"\\" for line in _footer_lines()]
+    lines += [tex_escape(REPLICATED_FOOTER) + r"\\"] if is_replicated(df) else []
     lines += [tex_escape(f"Note: {n}") + r"\\" for n in notes]
     lines += [tex_escape(f"Prefix mismatch: {line}") + r"\\" for line in extra]
     lines.append(tex_escape(f"Analysis hash: {analysis_hash}"))
@@ -282,6 +318,12 @@ HEADLINE_SCHEMA = {
     "share_zero_crossing": pl.Float64, "share_reversal": pl.Float64, "share_magnitude": pl.Float64,
     "mean_diff": pl.Float64, "mean_diff_ci_lo": pl.Float64, "mean_diff_ci_hi": pl.Float64,
     "note": pl.String,
+    # replicated passes (replay.replicates >= 2): the rates and excess above are then pooled over the pairs of
+    # draws with the crossed interval (problems and pass draws); beside them, the problem-only interval of the same
+    # estimate, the pass-level component and whether the crossed interval excludes zero. One draw: pairs 1, n/a.
+    "pairs": pl.Int64, "excess_pp_problem_ci_lo": pl.Float64, "excess_pp_problem_ci_hi": pl.Float64,
+    "pass_sd_pp": pl.Float64, "pass_sd_pp_ci_lo": pl.Float64, "pass_sd_pp_ci_hi": pl.Float64,
+    "resolved": pl.Boolean,
 }
 
 
@@ -295,11 +337,40 @@ def _get(obj: Any, *path: str) -> Any:
 
 def _ti_columns(result: dict, metric: str) -> dict[str, Any]:
     """The treatment-independent excess with its interval and per-problem t: a point alone reads as resolved
-    where its interval spans zero (several of our rows), so the three travel together."""
-    stats = _get(result["conditionings"].get("treatment_independent"), "by_metric", metric)
+    where its interval spans zero (several of our rows), so the three travel together. Over replicated pairs, the
+    pooled excess and its crossed interval."""
+    block = result["conditionings"].get("treatment_independent")
+    replicated = _get(block, "replicated", "by_metric", metric)
+    if _get(block, "replicated", "available") and replicated:
+        crossed = replicated["excess_pp"]["crossed"]
+        return {"ti_excess_pp": crossed.get("estimate"), "ti_excess_pp_ci_lo": crossed.get("ci_lo"),
+                "ti_excess_pp_ci_hi": crossed.get("ci_hi"), "ti_t_per_problem": replicated["per_problem_t"].get("t")}
+    stats = _get(block, "by_metric", metric)
     excess, ppt = _get(stats, "excess_pp") or {}, _get(stats, "per_problem_t") or {}
     return {"ti_excess_pp": excess.get("estimate"), "ti_excess_pp_ci_lo": excess.get("ci_lo"),
             "ti_excess_pp_ci_hi": excess.get("ci_hi"), "ti_t_per_problem": ppt.get("t")}
+
+
+def _replicated_columns(block: dict, metric: str) -> dict[str, Any]:
+    """A replicated block's columns: the rates and excess pooled over its pairs with their crossed intervals, the
+    problem-only interval, the pass-level SD (pp) and whether the crossed interval excludes zero."""
+    stats = block["replicated"]["by_metric"][metric]
+    row: dict[str, Any] = {"pairs": stats["n_pairs"], "n": round(sum(stats["n_per_pair"]) / stats["n_pairs"]),
+                           # the first pair's polarity shares would sit beside pooled rates: left out
+                           "floor_polarity_share": None, "refeed_polarity_share": None,
+                           "n_problems": stats["n_problems"], "resolved": stats["resolved"],
+                           "t_per_problem": stats["per_problem_t"]["t"], "df_per_problem": stats["per_problem_t"]["df"],
+                           "p_per_problem": stats["per_problem_t"]["p"]}
+    for prefix, key in (("floor", "floor"), ("refeed_disagreement", "refeed"), ("excess_pp", "excess_pp")):
+        crossed = stats[key]["crossed"]
+        row[prefix], row[f"{prefix}_ci_lo"], row[f"{prefix}_ci_hi"] = (crossed["estimate"], crossed["ci_lo"],
+                                                                        crossed["ci_hi"])
+    row["excess_pp_problem_ci_lo"] = stats["excess_pp"]["problem_only"]["ci_lo"]
+    row["excess_pp_problem_ci_hi"] = stats["excess_pp"]["problem_only"]["ci_hi"]
+    components = stats["excess_pp"]["crossed"].get("components") or {}
+    row["pass_sd_pp"], row["pass_sd_pp_ci_lo"], row["pass_sd_pp_ci_hi"] = (
+        components.get("pass_sd"), components.get("pass_sd_ci_lo"), components.get("pass_sd_ci_hi"))
+    return row
 
 
 def _headline_row(config: str, cond: str, block: dict, metric: str, ti: Mapping[str, Any]) -> dict:
@@ -334,8 +405,14 @@ def _headline_row(config: str, cond: str, block: dict, metric: str, ti: Mapping[
         share_reversal=_get(kinds, "exact_vs_refeed", "reversal", "share"),
         share_magnitude=_get(kinds, "exact_vs_refeed", "magnitude", "share"),
         mean_diff=mean["coef"], mean_diff_ci_lo=mean["ci_lo"], mean_diff_ci_hi=mean["ci_hi"],
-        note=block.get("note") or ols.get("reason"),
+        note=block.get("note") or ols.get("reason"), pairs=1,
     )
+    if _get(block, "replicated", "available"):
+        replicated = block["replicated"]
+        if replicated.get("note"):
+            row["note"] = replicated["note"]
+        elif metric in replicated.get("by_metric", {}):
+            row.update(_replicated_columns(block, metric))
     return row
 
 

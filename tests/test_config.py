@@ -334,7 +334,7 @@ def test_deviations_list_exactly_the_changed_keys(committed):
     found = deviations(validate_config(config))
     assert found == [
         {"key": f"configs.{CONFIG_NAME}.temperature", "value": 1.0, "default": 0.7},
-        {"key": "dataset.n_problems", "value": 30, "default": 16},
+        {"key": "dataset.n_problems", "value": 30, "default": 48},
         {"key": "replay.k", "value": 8, "default": 4},
     ]
 

@@ -225,4 +225,13 @@ def test_run_summary_prints_the_main_rows_with_numbers_or_the_analysis_note(tmp_
     assert "main conditioning, sign metric" in lines[0]
     assert lines[3].split() == ["a", "466", "(108)", "23.0", "0.0", "+23.0", "[+18.2,", "+27.6]", "8.14"]
     assert lines[4].split() == ["b", "4", "(2)", "n/a", "n/a", "n/a", "n/a"]
-    assert lines[5] == "  b: too few eligible pivots (n=4 < min_eligible=10)" and len(lines) == 6
+    assert lines[5] == "  b: too few eligible pivots (n=4 < min_eligible=10)"
+    assert "excludes 0 means re-feeding moved credit" in lines[6] and "replay.replicates: 3" in lines[7]
+    assert len(lines) == 8
+    # a replicated run: the pairs and whether the crossed interval excludes zero
+    path.write_text("# analysis_hash: x\nconfig,conditioning,metric,n,n_problems,refeed_disagreement,floor,excess_pp,"
+                    "excess_pp_ci_lo,excess_pp_ci_hi,t_per_problem,note,pairs,resolved\n"
+                    "a,main,sign,466,108,0.23,0.0,23.0,-1.2,47.6,8.14,n/a,3,false\n")
+    lines = run_summary(path).splitlines()
+    assert lines[1].split()[-2:] == ["pairs", "resolved"] and lines[3].split()[-2:] == ["3", "no"]
+    assert "covers the pass-to-pass noise too" in lines[5]
