@@ -5,15 +5,22 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 
+from replaynoise.analysis import compare_passes
+from replaynoise.io import write_json
+from replaynoise.power import main as power_main
 from replaynoise.provenance import verify_manifest
 from replaynoise.reference import channel_data, compare, main, read_manifest, snapshot
 
 GPU = Path(__file__).resolve().parents[1] / "reference" / "gpu"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import coverage  # noqa: E402
 
 
 def write(path, text):
@@ -304,3 +311,42 @@ def test_a_malformed_manifest_is_named_by_file_and_line_never_a_crash(tmp_path, 
         read_manifest(manifest)
     assert verify_manifest(tmp_path, manifest)[0].startswith("MALFORMED") and "MANIFEST.sha256:2" in \
         verify_manifest(tmp_path, manifest)[0]
+
+
+def test_a_snapshot_rebuilds_and_the_prefix_mismatch_link_is_recomputed_from_its_table(tiny_run, tmp_path, capsys):
+    """A snapshot keeps every file its statistics are computed from (the credit tables and the per-pivot prefix
+    mismatch, both in the manifest), so a rebuild recomputes the mismatch's link to the flips instead of copying it:
+    a hand-edited prefix_mismatch block is caught even with its manifest line rewritten."""
+    ref = tmp_path / "ref"
+    copied = {p.relative_to(ref).as_posix() for p in snapshot(tiny_run / "results", ref)}
+    assert {"analysis/tiny/mismatch.parquet", "credit/tiny/exact.parquet", "credit/tiny/selector.parquet"} <= copied
+    assert main(["rebuild", str(ref), str(tmp_path / "rebuilt")]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+    comparison = ref / "analysis" / "tiny" / "comparison.json"
+    record = json.loads(comparison.read_text())
+    record["prefix_mismatch"]["sentence"] = "an edited sentence"
+    comparison.write_text(json.dumps(record))
+    lines = [line for line in (ref / "MANIFEST.sha256").read_text().split("\n") if line]
+    digest = hashlib.sha256(comparison.read_bytes()).hexdigest()
+    (ref / "MANIFEST.sha256").write_text("".join(
+        (f"{digest}  analysis/tiny/comparison.json" if line.endswith("  analysis/tiny/comparison.json") else line)
+        + "\n" for line in lines))
+    assert main(["rebuild", str(ref), str(tmp_path / "rebuilt2")]) == 1
+    assert "differs: analysis/tiny/comparison.json" in capsys.readouterr().out
+
+
+def test_power_planning_reads_a_pilot_s_components_and_refuses_a_pilot_of_one_draw(tmp_path, capsys):
+    credit = coverage.simulate_credit(np.random.default_rng(3), pass_sd=0.4, **coverage.DESIGN)
+    settings = dict(theta=0.5, theta_sweep=None, n_boot=100, seed=1, min_eligible=10, ci=0.95, metric="sign",
+                    margin_split=0.3)
+    write_json({**compare_passes(credit, **settings), "config": "three"}, tmp_path / "analysis" / "three" /
+               "comparison.json")
+    write_json({**compare_passes({p: credit[p] for p in ("exact", "replica", "refeed")}, **settings),
+                "config": "one"}, tmp_path / "analysis" / "one" / "comparison.json")
+    assert power_main([str(tmp_path), "--excess", "5", "40"]) == 0
+    captured = capsys.readouterr()
+    assert "skipped: one: main: no replicated passes" in captured.err
+    rows = [line.split() for line in captured.out.splitlines() if line.strip().startswith(("+5.0", "+40.0"))]
+    five, forty = rows
+    assert float(forty[-1]) > float(five[-1])  # power at the pilot's size grows with the excess
+    assert power_main([str(tmp_path), "--config", "one"]) == 2
