@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--sims", type=int, default=2000)
     args = ap.parse_args()
     start = time.time()
-    runs = [coverage(args.sims, pass_sd, seed=s) for s, pass_sd in enumerate((0.0, 0.25, 0.5))]
+    runs = [coverage(args.sims, pass_sd, seed=s) for s, pass_sd in enumerate((0.0, 0.25, 0.5, 1.0))]
     record = {"what": __doc__.split("\n")[0], "command": f"python benchmarks/coverage.py {args.out} --sims "
               f"{args.sims}", "seconds": round(time.time() - start, 1), "runs": runs}
     args.out.write_text(json.dumps(record, indent=1) + "\n")
