@@ -36,9 +36,11 @@ TINY = {
     "dataset": {"source": "simple_addsub", "n_problems": 3},
     # one compute thread a model job (cpu_threads), so that two jobs run at once on two cores
     "configs": {"tiny": {"model": str(TINY_MODEL_DIR), "dtype": "float32", "max_new_tokens": 24, "cpu_threads": 1}},
-    "rollouts": {"batch_size": 1},  # one problem per batch: the kill tests land between a shard's batches
+    # one problem per batch: the kill tests land between a shard's batches; one trunk a problem, every problem kept
+    "rollouts": {"batch_size": 1, "per_problem": 1, "screen": {"rule": "none"}},
     "pivots": {"max_margin": 0.3, "per_rollout": 2},
-    "replay": {"k": 2, "max_new_tokens": 12, "batch_size": 4, "passes": ["exact", "replica", "refeed", "selector"]},
+    "replay": {"k": 2, "max_new_tokens": 12, "batch_size": 4, "probe_tokens": 32,
+               "passes": ["exact", "replica", "refeed", "selector"]},
     "analysis": {"n_boot": 50, "min_eligible": 1},
     # two shards (of about two batches each): every tiny run scatters and gathers; one thread a model job, so that
     # two of them run at once on two cores

@@ -27,7 +27,7 @@ LAYERS = [
     ["machine"],
     ["engines", "tables", "figures", "provenance", "mismatch", "pooling"],
     ["control_report", "cross", "training_report"],
-    ["reference", "reanalyze"],
+    ["reference", "reanalyze", "power"],
 ]
 #: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when
 #: chosen, so that importing the engine interface (the passes, the analysis) never loads torch or vLLM.

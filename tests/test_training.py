@@ -42,8 +42,9 @@ def run_config(model: Path) -> dict:
         "dataset": {"source": "simple_addsub", "n_problems": 3},
         "prompt": PROMPT,
         "configs": {"base": settings, "trained": {**settings, "train": TRAIN}},
+        "rollouts": {"per_problem": 1, "screen": {"rule": "none"}},
         "pivots": {"max_margin": 1.0, "per_rollout": 1},
-        "replay": {"k": 2, "max_new_tokens": 3, "passes": ["exact", "replica", "refeed"]},
+        "replay": {"k": 2, "max_new_tokens": 3, "probe_tokens": 32, "passes": ["exact", "replica", "refeed"]},
         "analysis": {"n_boot": 20, "min_eligible": 1},
     }
 

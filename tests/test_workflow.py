@@ -3,7 +3,9 @@ mechanics run on the tiny random model; the claims about a real model's text and
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import subprocess
 
 import polars as pl
@@ -135,10 +137,27 @@ def test_verify_catches_a_table_removed_with_its_line_and_an_edited_provenance(f
     snakemake(finished_run, TINY, "verify")
 
 
-def test_report_renders(finished_run):
+def test_the_report_holds_every_figure_table_and_the_cost_whole_and_captioned(finished_run):
+    """snakemake --report makes one HTML page a reviewer opens: every figure, the tables and the cost statement are
+    in it, each with a caption, each embedded byte for byte (no image missing), and the page loads nothing from
+    outside itself (no script, style or image by URL)."""
     snakemake(finished_run, TINY, "--report", "results/report.html")
-    html = (finished_run / "results" / "report.html").read_text(errors="replace")
-    assert "disagreement" in html and "headline" in html
+    html = (finished_run / "results" / "report.html").read_text()
+    entries = {}
+    for match in re.finditer(r'"(results/[^"]+)": \{"name"', html):
+        start = match.start()
+        caption = re.search(r'"caption": "((?:[^"\\]|\\.)*)"', html[start:]).group(1)
+        data = re.search(r'"data_uri": "data:[^,]*;base64,([A-Za-z0-9+/=]+)"', html[start:]).group(1)
+        entries[match.group(1)] = (caption, base64.b64decode(data))
+    results = finished_run / "results"
+    expected = {f"results/{p.relative_to(results).as_posix()}" for p in results.glob("figures/*.png")}
+    expected |= {"results/tables/headline.csv", "results/cost/cost.md"}
+    expected |= {f"results/{p.relative_to(results).as_posix()}" for p in results.glob("analysis/*/channels.csv")}
+    assert len(expected) >= 10 and set(entries) == expected
+    for rel, (caption, data) in entries.items():
+        assert len(caption) > 80, rel  # a sentence of what to look at, not a file name
+        assert data == (finished_run / rel).read_bytes(), rel
+    assert not re.search(r"<(script|img|link|iframe)[^>]+(src|href)=[\"']?(https?:)?//", html)
 
 
 def test_cost_statement_covers_every_model_job(finished_run):
