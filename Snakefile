@@ -53,7 +53,7 @@ onstart:
 onsuccess:
     if Path(table_file("headline", "csv")).is_file():
         try:  # a courtesy: a table it cannot read (an older layout) must not fail a run that succeeded
-            print(run_summary(table_file("headline", "csv")))
+            print(run_summary(table_file("headline", "csv"), config["figures"]["conditioning"]))
         except Exception as exc:
             print(f"(no summary: {table_file('headline', 'csv')} could not be read: {exc})")
         print(

@@ -7,6 +7,7 @@ verified share of pivots.
 
 RUN_DIR holds credit/<config>/<pass>.parquet (a results/ folder or a copy of its credit tables).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,15 +17,14 @@ from pathlib import Path
 import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from replaynoise.analysis import compare_passes, comparison_settings  # noqa: E402
+from replaynoise.analysis.comparison import compare_passes  # noqa: E402
+from replaynoise.analysis.credit import read_credit_grid  # noqa: E402
 from replaynoise.config import analysis_hash, validate_config  # noqa: E402
-from replaynoise.credit import read_credit_grid  # noqa: E402
+from replaynoise.generation.passes import run_passes  # noqa: E402
 from replaynoise.overlays import load_campaign  # noqa: E402
-from replaynoise.passes import run_passes  # noqa: E402
-from replaynoise.tables import (
-    headline_rows,  # noqa: E402
-    render_markdown,  # noqa: E402
-)
+from replaynoise.report.headline import headline_rows  # noqa: E402
+from replaynoise.report.tables import render_markdown  # noqa: E402
+from replaynoise.settings import AnalysisSettings  # noqa: E402
 
 
 def main() -> None:
@@ -36,8 +36,8 @@ def main() -> None:
     configs, passes = list(config["configs"]), run_passes(config["replay"])
     files = [str(args.run / "credit" / c / f"{p}.parquet") for c in configs for p in passes]
     credits = read_credit_grid(files, configs, passes)
-    stats = comparison_settings(config["analysis"], config["seed"])
-    rows = headline_rows({c: compare_passes(credits[c], **stats) for c in configs})
+    stats = AnalysisSettings.of(config["analysis"], config["seed"])
+    rows = headline_rows({c: compare_passes(credits[c], stats) for c in configs})
     print(render_markdown(rows.filter(pl.col("conditioning") == "main"), analysis_hash(config)))
     for c in configs:
         exact = credits[c]["exact"]

@@ -7,6 +7,7 @@ Writes fused_layers.json to $OUT (or the current directory). Measured on an H200
 prefix of 288 positions): 512 rows 7.71 -> 5.41 ms per step (66,391 -> 94,676 tok/s); 1,024 rows 13.09 -> 9.91 ms
 (78,205 -> 103,340 tok/s). The prototype that gave these numbers ran the same layer functions as a subclass.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.replay_throughput import qwen25_05b  # noqa: E402
-from replaynoise.engines.kernels import attend, layer_in, layer_out  # noqa: E402
-from replaynoise.engines.static import StaticDecoder  # noqa: E402
+from replaynoise.engines.hf.kernels import attend, layer_in, layer_out  # noqa: E402
+from replaynoise.engines.hf.static import StaticDecoder  # noqa: E402
 
 
 def bench(model, rows: int, prefix: int, steps: int, fused: bool) -> tuple[dict, torch.Tensor]:
@@ -28,8 +29,15 @@ def bench(model, rows: int, prefix: int, steps: int, fused: bool) -> tuple[dict,
     if not fused:
         decoder.layer_in, decoder.attend, decoder.layer_out = layer_in, attend, layer_out
     shape = (1, decoder.n_kv, prefix, decoder.head_dim)
-    state = [[(torch.randn(shape, device="cuda", dtype=torch.bfloat16),
-               torch.randn(shape, device="cuda", dtype=torch.bfloat16)) for _ in model.model.layers]]
+    state = [
+        [
+            (
+                torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+                torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+            )
+            for _ in model.model.layers
+        ]
+    ]
     args = (state, [prefix], [0] * rows, list(range(rows)), [5] * rows, (1.0, 1.0))
     start = time.perf_counter()
     decoder.load(*args)
@@ -53,8 +61,11 @@ def main() -> None:
         fused, fused_tokens = bench(model, rows, 288, 128, fused=True)
         fused["tokens_equal_to_eager"] = float((fused_tokens == eager_tokens).float().mean())
         out[str(rows)] = {"eager": eager, "fused": fused}
-        print(f"{rows} rows: eager {eager['ms_per_step']:.2f} ms ({eager['tok_s']:,.0f} tok/s), fused "
-              f"{fused['ms_per_step']:.2f} ms ({fused['tok_s']:,.0f} tok/s)", flush=True)
+        print(
+            f"{rows} rows: eager {eager['ms_per_step']:.2f} ms ({eager['tok_s']:,.0f} tok/s), fused "
+            f"{fused['ms_per_step']:.2f} ms ({fused['tok_s']:,.0f} tok/s)",
+            flush=True,
+        )
     Path(os.environ.get("OUT", "."), "fused_layers.json").write_text(json.dumps(out, indent=1))
 
 

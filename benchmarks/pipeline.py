@@ -61,8 +61,11 @@ def rows_for(run: Path, config: dict) -> list[dict]:
         if rule in ("prepare_model", "train_grpo"):  # per model, not per shard: no generated-token rate
             continue
         cfg, shard = bench.stem.rsplit(".", 1)
-        table_file = (results / "rollouts" / cfg / "shards" / f"{shard}.parquet" if rule == "generate_rollouts"
-                      else results / "passes" / cfg / rule.removeprefix("replay_") / f"{shard}.parquet")
+        table_file = (
+            results / "rollouts" / cfg / "shards" / f"{shard}.parquet"
+            if rule == "generate_rollouts"
+            else results / "passes" / cfg / rule.removeprefix("replay_") / f"{shard}.parquet"
+        )
         if not table_file.is_file():
             continue  # the job did not finish
         seconds = float(pl.read_csv(bench, separator="\t")["s"][0])
@@ -74,12 +77,25 @@ def rows_for(run: Path, config: dict) -> list[dict]:
         log = results / "logs" / rule / f"{cfg}.{shard}.log"
         loop = loop_seconds(log)
         settings = config["configs"][cfg]
-        out.append({"rule": rule, "config": cfg, "shard": shard, "model": settings["model"],
-                    "dtype": settings["dtype"], "rows": rows, "generated_tokens": tokens, "seconds": seconds,
-                    "tokens_per_s": tokens / seconds, "loop_seconds": loop,
-                    "loop_tokens_per_s": tokens / loop if loop else None, "phases": phases(log),
-                    "steps": steps(log), "startup": phases(log, "engine start-up by phase: "),
-                    "gpu_memory": logged(log, ": GPU memory: ")})
+        out.append(
+            {
+                "rule": rule,
+                "config": cfg,
+                "shard": shard,
+                "model": settings["model"],
+                "dtype": settings["dtype"],
+                "rows": rows,
+                "generated_tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": tokens / seconds,
+                "loop_seconds": loop,
+                "loop_tokens_per_s": tokens / loop if loop else None,
+                "phases": phases(log),
+                "steps": steps(log),
+                "startup": phases(log, "engine start-up by phase: "),
+                "gpu_memory": logged(log, ": GPU memory: "),
+            }
+        )
     return out
 
 
@@ -87,27 +103,47 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", type=Path)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--configfile", type=Path, default=None,
-                    help="the run's configuration, where the run has no provenance.json yet (it did not finish)")
+    ap.add_argument(
+        "--configfile",
+        type=Path,
+        default=None,
+        help="the run's configuration, where the run has no provenance.json yet (it did not finish)",
+    )
     ap.add_argument("--commit", default=None, help="the commit measured, where the run directory cannot tell")
     args = ap.parse_args(argv)
     path = args.run / "results" / "provenance.json"
-    provenance = json.loads(path.read_text()) if path.is_file() else {
-        "config": validate_config(load_campaign(args.configfile)), "hardware": hardware(),
-        "packages": {name: version(name) for name in ("torch", "transformers", "snakemake", "polars")},
-        "git": {"note": "no provenance.json: the run did not finish"}}
+    provenance = (
+        json.loads(path.read_text())
+        if path.is_file()
+        else {
+            "config": validate_config(load_campaign(args.configfile)),
+            "hardware": hardware(),
+            "packages": {name: version(name) for name in ("torch", "transformers", "snakemake", "polars")},
+            "git": {"note": "no provenance.json: the run did not finish"},
+        }
+    )
     rows = rows_for(args.run, provenance["config"])
-    print(f"{'rule':<22} {'config':<20} {'rows':>7} {'tokens':>9} {'job s':>7} {'tok/s':>8} {'loop s':>7} "
-          f"{'loop tok/s':>10}")
+    print(
+        f"{'rule':<22} {'config':<20} {'rows':>7} {'tokens':>9} {'job s':>7} {'tok/s':>8} {'loop s':>7} "
+        f"{'loop tok/s':>10}"
+    )
     for r in rows:
         loop = f"{r['loop_seconds']:7.1f} {r['loop_tokens_per_s']:10,.0f}" if r["loop_seconds"] else ""
-        print(f"{r['rule']:<22} {r['config']:<20} {r['rows']:>7} {r['generated_tokens']:>9} {r['seconds']:7.1f} "
-              f"{r['tokens_per_s']:8,.0f} {loop}")
+        print(
+            f"{r['rule']:<22} {r['config']:<20} {r['rows']:>7} {r['generated_tokens']:>9} {r['seconds']:7.1f} "
+            f"{r['tokens_per_s']:8,.0f} {loop}"
+        )
     if args.out:
-        record = {"commit": args.commit or provenance.get("git", {}), "hardware": provenance.get("hardware"),
-                  "packages": {k: v for k, v in provenance.get("packages", {}).items()
-                               if k in ("torch", "transformers", "vllm", "snakemake", "polars")},
-                  "rows": rows}
+        record = {
+            "commit": args.commit or provenance.get("git", {}),
+            "hardware": provenance.get("hardware"),
+            "packages": {
+                k: v
+                for k, v in provenance.get("packages", {}).items()
+                if k in ("torch", "transformers", "vllm", "snakemake", "polars")
+            },
+            "rows": rows,
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.out}", file=sys.stderr)

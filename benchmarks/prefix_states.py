@@ -27,8 +27,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from replay_throughput import qwen25_05b, timed  # noqa: E402
 
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings  # noqa: E402
-from replaynoise.engines.hf import HFEngine  # noqa: E402
-from replaynoise.engines.kvfiles import load_kv  # noqa: E402
+from replaynoise.engines.hf.engine import HFEngine, HFOptions  # noqa: E402
+from replaynoise.engines.hf.kvfiles import load_kv  # noqa: E402
 
 
 def per_pivot_ms(fn, requests, device: str) -> float:
@@ -43,11 +43,26 @@ def measure(engine: HFEngine, prompt_len: int, rollouts: int, device: str) -> di
     requests = []
     for i in range(rollouts):
         prompt = tuple(int(t) for t in torch.randint(0, vocab - 1000, (prompt_len,), generator=gen))
-        (r,) = engine.generate_rollouts([RolloutRequest(f"p{i}", prompt, 100 + i)], SamplingSettings(1.0, 1.0, 64),
-                                        kv_dir, lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1)
+        (r,) = engine.generate_rollouts(
+            [RolloutRequest(f"p{i}", prompt, 100 + i)],
+            SamplingSettings(1.0, 1.0, 64),
+            kv_dir,
+            lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1,
+        )
         for t in range(8, len(r.response_ids) - 1, 8):
-            requests.append(ContinuationRequest(f"p{i}@{t}", "orig", 0, 1, tuple(r.prompt_ids + r.response_ids[:t]),
-                                                r.response_ids[t], r.kv_file, r.kv_sha256, r.logits_digests[t]))
+            requests.append(
+                ContinuationRequest(
+                    f"p{i}@{t}",
+                    "orig",
+                    0,
+                    1,
+                    tuple(r.prompt_ids + r.response_ids[:t]),
+                    r.response_ids[t],
+                    r.kv_file,
+                    r.kv_sha256,
+                    r.logits_digests[t],
+                )
+            )
     files = {r.kv_file: r.kv_sha256 for r in requests}
     first_of_file = list({r.kv_file: r for r in requests}.values())
 
@@ -55,23 +70,30 @@ def measure(engine: HFEngine, prompt_len: int, rollouts: int, device: str) -> di
         def go(req):
             engine.stored.clear()
             fn(req)
+
         return go
 
     for req in first_of_file:  # warm-up: kernels, allocator
         engine.decode_state(req)
         engine.prefix_state(req, "refeed_ids")
-    row = {"prompt_len": prompt_len, "pivots": len(requests), "kv_files": len(files),
-           "prefix_len_mean": statistics.mean(len(r.prefix_ids) for r in requests),
-           "kv_file_mb_mean": statistics.mean(Path(f).stat().st_size for f in files) / 2**20}
-    row["kv_load_with_sha256_ms"] = per_pivot_ms(lambda r: load_kv(r.kv_file, r.kv_sha256, device=engine.device),
-                                                 first_of_file, device)
+    row = {
+        "prompt_len": prompt_len,
+        "pivots": len(requests),
+        "kv_files": len(files),
+        "prefix_len_mean": statistics.mean(len(r.prefix_ids) for r in requests),
+        "kv_file_mb_mean": statistics.mean(Path(f).stat().st_size for f in files) / 2**20,
+    }
+    row["kv_load_with_sha256_ms"] = per_pivot_ms(
+        lambda r: load_kv(r.kv_file, r.kv_sha256, device=engine.device), first_of_file, device
+    )
     row["kv_load_ms"] = per_pivot_ms(lambda r: load_kv(r.kv_file, None, device=engine.device), first_of_file, device)
     row["exact_state_cold_file_ms"] = per_pivot_ms(cold(engine.decode_state), first_of_file, device)
     row["exact_state_ms"] = per_pivot_ms(engine.decode_state, requests, device)  # file in memory: probe, checks
     row["refeed_prefill_ms"] = per_pivot_ms(lambda r: engine.forwards.prefill(list(r.prefix_ids)), requests, device)
     row["refeed_state_ms"] = per_pivot_ms(lambda r: engine.prefix_state(r, "refeed_ids"), requests, device)
-    row["one_token_step_ms"] = per_pivot_ms(lambda r: engine.forwards.prefill(list(r.prefix_ids[-1:])), requests,
-                                            device)
+    row["one_token_step_ms"] = per_pivot_ms(
+        lambda r: engine.forwards.prefill(list(r.prefix_ids[-1:])), requests, device
+    )
     return row
 
 
@@ -84,7 +106,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     args = parser.parse_args()
     model = qwen25_05b(args.device, args.tiny)
-    engine = HFEngine(model, SimpleNamespace(eos_token_id=model.config.eos_token_id, pad_token_id=0))
+    engine = HFEngine(
+        model,
+        SimpleNamespace(eos_token_id=model.config.eos_token_id, pad_token_id=0),
+        HFOptions(kernels="stock", topk=5, decode="auto", cpu_matmul="fp32"),
+    )
     rows = [measure(engine, n, args.rollouts, args.device) for n in args.prompt_len]
     keys = [k for k in rows[0] if k.endswith("_ms")]
     print(f"{'per pivot, median ms':<28}" + "".join(f"{'prompt ' + str(r['prompt_len']):>14}" for r in rows))
@@ -93,8 +119,16 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"prefix_states_{time.strftime('%Y%m%dT%H%M%S')}.json"
-    path.write_text(json.dumps({"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-                                "torch": torch.__version__, "rows": rows}, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+                "torch": torch.__version__,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {path}")
 
 

@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/profile_pass.py RUN_DIR --configfile CFG --config NAME --pass exact [--batches 8]
 
 RUN_DIR holds a run's rollouts and pivots (``snakemake ... results/pivots/NAME.parquet`` is enough). The pass's
-batches are those of its real schedule, built as the rule builds them (``replay.build_requests``,
+batches are those of its real schedule, built as the rule builds them (``continuations.build_requests``,
 ``make_schedule``, ``with_restep_once``). Two batches warm up (kernel compilation, graph capture); the next N
 run with CUDA events around every decode step, then N more under ``torch.profiler``. Prints the phases
 (``progress.Phases``), the decode step's GPU time against its roofline (weights and every row's KV read once per
@@ -24,10 +24,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.replay_throughput import roofline
-from replaynoise import passes, replay
 from replaynoise.config import validate_config
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import SamplingSettings
+from replaynoise.generation import continuations, passes, replay
 from replaynoise.io import read_json, read_parquet
 from replaynoise.overlays import load_campaign
 from replaynoise.provenance import git_commit
@@ -104,15 +104,27 @@ def main(argv: list[str] | None = None) -> int:
     pivots = read_parquet(results / "pivots" / f"{args.config}.parquet")
     rollouts = read_parquet(results / "rollouts" / args.config / "rollouts.parquet")
     kv_dirs = sorted((results / "rollouts" / args.config / "kv").iterdir())
-    requests = replay.build_requests(pivots, rollouts, pass_name=args.pass_name, k=r["k"], seed=cfg["seed"],
-                                     config_name=args.config, tokenizer=engine.tokenizer, kv_dirs=kv_dirs)
-    schedule = replay.make_schedule(len(requests), r["batch_size"],
-                                    replay.schedule_seed(cfg["seed"], args.config, args.pass_name))
+    requests = continuations.build_requests(
+        pivots,
+        rollouts,
+        pass_name=args.pass_name,
+        k=r["k"],
+        seed=cfg["seed"],
+        config_name=args.config,
+        tokenizer=engine.tokenizer,
+        kv_dirs=kv_dirs,
+    )
+    schedule = continuations.make_schedule(
+        len(requests), r["batch_size"], continuations.schedule_seed(cfg["seed"], args.config, args.pass_name)
+    )
     requests = replay.with_restep_once(requests, schedule)
     batches = [[requests[i] for i in rows] for rows in schedule]
     source = passes.PASSES[args.pass_name].source
-    sampling = SamplingSettings(settings["temperature"] if r["temperature"] is None else r["temperature"],
-                                settings["top_p"] if r["top_p"] is None else r["top_p"], r["max_new_tokens"])
+    sampling = SamplingSettings(
+        settings["temperature"] if r["temperature"] is None else r["temperature"],
+        settings["top_p"] if r["top_p"] is None else r["top_p"],
+        r["max_new_tokens"],
+    )
     n = args.batches
     if len(batches) < 2 + 2 * n:
         raise SystemExit(f"the pass has {len(batches)} batches; --batches {n} needs {2 + 2 * n}")
@@ -125,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     events = timed_steps(engine)
     start, tokens = time.perf_counter(), 0
-    for batch in batches[2:2 + n]:
+    for batch in batches[2 : 2 + n]:
         tokens += sum(len(res.token_ids) for res in engine.run_batch(batch, source, sampling))
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
@@ -134,25 +146,38 @@ def main(argv: list[str] | None = None) -> int:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        for batch in batches[2 + n:2 + 2 * n]:
+        for batch in batches[2 + n : 2 + 2 * n]:
             engine.run_batch(batch, source, sampling)
         torch.cuda.synchronize()
         profiled_wall = time.perf_counter() - start
     averages = prof.key_averages()
     busy = sum(e.self_device_time_total for e in averages) / 1e6
 
-    lengths = [len(req.prefix_ids) for batch in batches[2:2 + n] for req in batch]
+    lengths = [len(req.prefix_ids) for batch in batches[2 : 2 + n] for req in batch]
     context = sum(lengths) / len(lengths) + r["max_new_tokens"] / 2
     roof = roofline(engine.model, r["batch_size"], context)
     median_step = sorted(step_ms)[len(step_ms) // 2]
     summary = {
-        **measured(args.commit), "config": args.config, "pass": args.pass_name,
+        **measured(args.commit),
+        "config": args.config,
+        "pass": args.pass_name,
         "device": torch.cuda.get_device_name(),
-        "batch_size": r["batch_size"], "batches": n, "rows": sum(map(len, batches[2:2 + n])), "tokens": tokens,
-        "wall_s": wall, "tokens_per_s": tokens / wall, "phases_s": phases, "warmup_phases_s": warm,
-        "decode_steps": len(step_ms), "step_ms_median": median_step, "step_ms_sum": sum(step_ms),
-        "roofline_step_ms": roof["seconds"] * 1e3, "roofline_fraction": roof["seconds"] * 1e3 / median_step,
-        "mean_context": context, "profiled_wall_s": profiled_wall, "gpu_busy_s": busy,
+        "batch_size": r["batch_size"],
+        "batches": n,
+        "rows": sum(map(len, batches[2 : 2 + n])),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "phases_s": phases,
+        "warmup_phases_s": warm,
+        "decode_steps": len(step_ms),
+        "step_ms_median": median_step,
+        "step_ms_sum": sum(step_ms),
+        "roofline_step_ms": roof["seconds"] * 1e3,
+        "roofline_fraction": roof["seconds"] * 1e3 / median_step,
+        "mean_context": context,
+        "profiled_wall_s": profiled_wall,
+        "gpu_busy_s": busy,
         "gpu_busy_share": busy / profiled_wall,
     }
     publish(summary, averages, args.out)

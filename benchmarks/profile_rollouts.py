@@ -22,23 +22,27 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.profile_pass import measured, prepared_model, publish, run_config, timed_steps
 from benchmarks.replay_throughput import roofline
-from replaynoise import rollouts
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import SamplingSettings
+from replaynoise.generation import rollouts
+from replaynoise.generation.pivots import PivotRules
 from replaynoise.io import read_parquet
-from replaynoise.pivots import PivotRules
+from replaynoise.settings import PromptSettings, RolloutSettings
 
 
 def run_step(engine, problems, cfg: dict, name: str, scratch: Path) -> tuple[float, int]:
     """One whole rollout step as the rule runs it, into ``scratch``; (wall seconds, tokens generated)."""
     s = cfg["configs"][name]
     start = time.perf_counter()
-    frame = rollouts.generate(
-        engine, problems, config_name=name, seed=cfg["seed"],
-        sampling=SamplingSettings(s["temperature"], s["top_p"], s["max_new_tokens"]), style=cfg["prompt"]["style"],
-        instruction=cfg["prompt"]["instruction"], shots=cfg["prompt"].get("shots", []),
-        rules=PivotRules.from_config(cfg["pivots"], s["block_size"]), per_problem=cfg["rollouts"]["per_problem"],
-        batch_size=cfg["rollouts"]["batch_size"], kv_dir=scratch / "kv", work_dir=scratch / "work")
+    job = rollouts.RolloutJob(
+        config_name=name,
+        seed=cfg["seed"],
+        sampling=SamplingSettings(s["temperature"], s["top_p"], s["max_new_tokens"]),
+        prompt=PromptSettings.of(cfg["prompt"]),
+        rollouts=RolloutSettings.of(cfg["rollouts"]),
+        rules=PivotRules.from_config(cfg["pivots"], s["block_size"]),
+    )
+    frame = rollouts.generate(engine, problems, job, kv_dir=scratch / "kv", work_dir=scratch / "work")
     torch.cuda.synchronize()
     return time.perf_counter() - start, sum(map(len, frame["response_ids"].to_list()))
 
@@ -72,11 +76,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = min(cfg["rollouts"]["batch_size"], problems.height * cfg["rollouts"]["per_problem"])  # one batch's rows
     roof = roofline(engine.model, rows, settings["max_new_tokens"] / 2 + 100)
     summary = {
-        **measured(args.commit), "config": args.config, "device": torch.cuda.get_device_name(), "rows_per_batch": rows,
-        "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "phases_s": phases,
-        "phase_share_of_loop": {k: v / loop for k, v in phases.items()}, "warmup_phases_s": warm,
-        "decode_steps": len(step_ms), "step_ms_median": step_ms[len(step_ms) // 2] if step_ms else None,
-        "memory_roofline_step_ms": roof["seconds"] * 1e3, "gpu_busy_s": busy, "gpu_busy_share": busy / wall,
+        **measured(args.commit),
+        "config": args.config,
+        "device": torch.cuda.get_device_name(),
+        "rows_per_batch": rows,
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "phases_s": phases,
+        "phase_share_of_loop": {k: v / loop for k, v in phases.items()},
+        "warmup_phases_s": warm,
+        "decode_steps": len(step_ms),
+        "step_ms_median": step_ms[len(step_ms) // 2] if step_ms else None,
+        "memory_roofline_step_ms": roof["seconds"] * 1e3,
+        "gpu_busy_s": busy,
+        "gpu_busy_share": busy / wall,
     }
     if step_ms:
         summary["memory_roofline_fraction"] = roof["seconds"] * 1e3 / summary["step_ms_median"]

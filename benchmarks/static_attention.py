@@ -21,17 +21,39 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from replaynoise.engines.states import bucket  # noqa: E402
-from replaynoise.engines.static import StaticDecoder  # noqa: E402
+from replaynoise.engines.hf.states import bucket  # noqa: E402
+from replaynoise.engines.hf.static import StaticDecoder  # noqa: E402
 
 #: the configurations of the packaged models (their config.json), as (class, config)
 SHAPES = {
-    "smollm2-135m": (LlamaForCausalLM, LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)),
-    "qwen2.5-0.5b": (Qwen2ForCausalLM, Qwen2Config(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)),
+    "smollm2-135m": (
+        LlamaForCausalLM,
+        LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            rms_norm_eps=1e-5,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2.5-0.5b": (
+        Qwen2ForCausalLM,
+        Qwen2Config(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 #: (model, rows, prefix): the H200 pipeline runs' batches (1,024 rows, mean prefix 90) and a longer context
 CASES = [("smollm2-135m", 1024, 90), ("smollm2-135m", 256, 90), ("qwen2.5-0.5b", 1024, 90), ("qwen2.5-0.5b", 256, 400)]
@@ -44,8 +66,9 @@ def step_ms(model, rows: int, prefix: int, attention: str, loads: int = 5) -> fl
     cfg = model.config
     decoder = StaticDecoder(model, rows, bucket(prefix + STEPS + 1), graphs=True, attention=attention)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    state = torch.randn(cfg.num_hidden_layers, 2, 1, cfg.num_key_value_heads, prefix, head_dim, device="cuda",
-                        dtype=torch.bfloat16)
+    state = torch.randn(
+        cfg.num_hidden_layers, 2, 1, cfg.num_key_value_heads, prefix, head_dim, device="cuda", dtype=torch.bfloat16
+    )
     times = []
     for load in range(loads):
         decoder.load([state], [prefix], [0] * rows, list(range(rows)), [5] * rows, (0.7, 1.0))
@@ -75,10 +98,21 @@ def main(argv: list[str] | None = None) -> int:
             with torch.device("cuda"):
                 models = {name: cls(config).to(torch.bfloat16).eval()}  # one model on the device at a time
         times = {a: step_ms(models[name], rows, prefix, a) for a in ATTENTIONS}
-        rows_out.append({"model": name, "rows": rows, "prefix": prefix, "slots": bucket(prefix + STEPS + 1),
-                         "step_ms": times, "device": torch.cuda.get_device_name()})
-        print(f"{name:<14}{rows:>6}{prefix:>8}{bucket(prefix + STEPS + 1):>7}"
-              + "".join(f"{times[a]:>10.3f}" for a in ATTENTIONS), flush=True)
+        rows_out.append(
+            {
+                "model": name,
+                "rows": rows,
+                "prefix": prefix,
+                "slots": bucket(prefix + STEPS + 1),
+                "step_ms": times,
+                "device": torch.cuda.get_device_name(),
+            }
+        )
+        print(
+            f"{name:<14}{rows:>6}{prefix:>8}{bucket(prefix + STEPS + 1):>7}"
+            + "".join(f"{times[a]:>10.3f}" for a in ATTENTIONS),
+            flush=True,
+        )
     if args.out:
         args.out.write_text(json.dumps({"torch": torch.__version__, "rows": rows_out}, indent=1) + "\n")
     return 0

@@ -83,16 +83,25 @@ def _timeline(folder: Path, started: float) -> tuple[dict[str, float], list[dict
                 begin, end = opened.pop(nodeid), float(stamp)
                 finished[worker] = max(finished.get(worker, 0.0), round(end - started, 1))
                 if end - begin >= DURATION_S:
-                    long_tests.append({"test": nodeid, "worker": worker, "start_s": round(begin - started, 1),
-                                       "end_s": round(end - started, 1), "seconds": round(end - begin, 1)})
+                    long_tests.append(
+                        {
+                            "test": nodeid,
+                            "worker": worker,
+                            "start_s": round(begin - started, 1),
+                            "end_s": round(end - started, 1),
+                            "seconds": round(end - begin, 1),
+                        }
+                    )
     return finished, sorted(long_tests, key=lambda t: t["start_s"])
 
 
 def durations_record(record: dict, long_tests: list[dict]) -> dict:
     """What ``tests/durations.json`` holds: where its seconds were measured, and each long test's seconds (a
     test a shared fixture was built in counts that build)."""
-    return {"measured": {key: record[key] for key in ("commit", "dirty", "command", "cpu_count", "wall_s")},
-            "seconds": {t["test"]: t["seconds"] for t in sorted(long_tests, key=lambda t: t["test"])}}
+    return {
+        "measured": {key: record[key] for key in ("commit", "dirty", "command", "cpu_count", "wall_s")},
+        "seconds": {t["test"]: t["seconds"] for t in sorted(long_tests, key=lambda t: t["test"])},
+    }
 
 
 def main() -> int:
@@ -113,29 +122,43 @@ def main() -> int:
         sampler = threading.Thread(target=_sample_busy, args=(shares, done), daemon=True)
         started = time.time()
         sampler.start()
-        with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) as proc:
+        with subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as proc:
             for line in proc.stdout:  # pytest's own output, as it comes
                 sys.stdout.write(line)
                 tail = [*tail[-20:], line.rstrip("\n")]
         wall = time.time() - started
         done.set()
         finished, long_tests = _timeline(Path(folder), started)
-    summary = next((line.strip("= ") for line in reversed(tail)  # framed by "=" unless -q
-                    if re.search(r"\b(passed|failed|errors?|skipped)\b.* in [\d.]+s", line)), "")
-    record = {**git_commit(REPO), "command": ["python", "-m", "pytest", *args],
-              "exit_status": proc.returncode, "wall_s": round(wall, 1), "summary": summary,
-              "cpu_count": os.cpu_count(),
-              "cores_busy_share": round(sum(shares) / len(shares), 3) if shares else None,
-              "workers_finished_s": finished,
-              "tests_of_20_s_or_more": [t for t in long_tests if t["seconds"] >= LONG_S],
-              "slurm_required": os.environ.get("REPLAYNOISE_REQUIRE_SLURM") == "1"}
+    summary = next(
+        (
+            line.strip("= ")
+            for line in reversed(tail)  # framed by "=" unless -q
+            if re.search(r"\b(passed|failed|errors?|skipped)\b.* in [\d.]+s", line)
+        ),
+        "",
+    )
+    record = {
+        **git_commit(REPO),
+        "command": ["python", "-m", "pytest", *args],
+        "exit_status": proc.returncode,
+        "wall_s": round(wall, 1),
+        "summary": summary,
+        "cpu_count": os.cpu_count(),
+        "cores_busy_share": round(sum(shares) / len(shares), 3) if shares else None,
+        "workers_finished_s": finished,
+        "tests_of_20_s_or_more": [t for t in long_tests if t["seconds"] >= LONG_S],
+        "slurm_required": os.environ.get("REPLAYNOISE_REQUIRE_SLURM") == "1",
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     if durations is not None and proc.returncode == 0:  # a failed run's seconds would reorder the suite by a fault
         durations.write_text(json.dumps(durations_record(record, long_tests), indent=1) + "\n")
-    print(f"{summary}\nwall {wall:.0f} s ({wall // 60:.0f} min {wall % 60:.0f} s), cores busy "
-          f"{record['cores_busy_share']}, workers finished at {finished} s; exit {proc.returncode}")
+    print(
+        f"{summary}\nwall {wall:.0f} s ({wall // 60:.0f} min {wall % 60:.0f} s), cores busy "
+        f"{record['cores_busy_share']}, workers finished at {finished} s; exit {proc.returncode}"
+    )
     for t in record["tests_of_20_s_or_more"]:
         print(f"  {t['start_s']:7.1f} {t['end_s']:7.1f} {t['seconds']:6.1f} {t['worker']} {t['test']}")
     return proc.returncode

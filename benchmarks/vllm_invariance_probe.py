@@ -11,7 +11,7 @@ each (the attention backend and kernels are fixed at engine start):
 
 ``--matmul cublaslt`` is vLLM 0.26's own Hopper path (cuBLASLt without split-K); ``--matmul triton`` sends
 mm/addmm/matmul/linear through vLLM's Triton persistent matmul as vLLM does on SM80 only. ``--rms-norm row``
-is the engine's replacement of vLLM's add-RMSNorm (replaynoise.engines.vllm_build.row_invariant_add_rms_norm),
+is the engine's replacement of vLLM's add-RMSNorm (replaynoise.engines.vllm.build.row_invariant_add_rms_norm),
 ``--rms-norm vllm`` vLLM's own. ``--kernels stock`` runs without VLLM_BATCH_INVARIANT, for comparison.
 Results of the H200: benchmarks/results/h200-vllm-probe/.
 """
@@ -27,14 +27,17 @@ from pathlib import Path
 
 import torch
 
-from replaynoise.engines import vllm_build as engine_vllm
-from replaynoise.models import prepare_model
+from replaynoise.data.preparation import prepare_model
+from replaynoise.engines.vllm import build as engine_vllm
 
 NAMES = ["Tom", "Ana", "Lee", "Mia", "Raj", "Zoe", "Ben", "Ivy"]
 THINGS = ["apples", "marbles", "books", "stamps", "coins", "shells"]
-ATTENTION = {"FA2": {"backend": "FLASH_ATTN", "flash_attn_version": 2},
-             "FA3": {"backend": "FLASH_ATTN", "flash_attn_version": 3},
-             "TRITON_ATTN": {"backend": "TRITON_ATTN"}, "FLEX_ATTENTION": {"backend": "FLEX_ATTENTION"}}
+ATTENTION = {
+    "FA2": {"backend": "FLASH_ATTN", "flash_attn_version": 2},
+    "FA3": {"backend": "FLASH_ATTN", "flash_attn_version": 3},
+    "TRITON_ATTN": {"backend": "TRITON_ATTN"},
+    "FLEX_ATTENTION": {"backend": "FLEX_ATTENTION"},
+}
 
 
 _libraries = []  # kept alive: dropping a torch.library.Library removes its kernels
@@ -51,8 +54,11 @@ def triton_matmul_everywhere() -> None:
 
 
 def questions(n: int, rng: random.Random) -> list[str]:
-    return [f"{rng.choice(NAMES)} has {rng.randint(2, 90)} {rng.choice(THINGS)}, gets {rng.randint(2, 90)} more "
-            f"and gives away {rng.randint(1, 9)}. How many are left? Answer step by step." for _ in range(n)]
+    return [
+        f"{rng.choice(NAMES)} has {rng.randint(2, 90)} {rng.choice(THINGS)}, gets {rng.randint(2, 90)} more "
+        f"and gives away {rng.randint(1, 9)}. How many are left? Answer step by step."
+        for _ in range(n)
+    ]
 
 
 def run(llm, requests, salts, sampling, order=None, sizes=None):
@@ -64,7 +70,7 @@ def run(llm, requests, salts, sampling, order=None, sizes=None):
     out, start, b = {}, 0, 0
     while start < len(order):
         size = len(order) if sizes is None else sizes[b % len(sizes)]
-        chunk = order[start:start + size]
+        chunk = order[start : start + size]
         inputs = [TokensPrompt(prompt_token_ids=requests[i], cache_salt=salts[i]) for i in chunk]
         for i, res in zip(chunk, llm.generate(inputs, [sampling[i] for i in chunk], use_tqdm=False)):
             comp = res.outputs[0]
@@ -107,16 +113,23 @@ def main() -> None:
             engine_vllm.patch_invariant_rms_norm = lambda: None
         if args.matmul == "triton":
             triton_matmul_everywhere()
-    settings = {"device": args.device, "kernels": args.kernels, "dtype": "bfloat16", "block_size": args.block_size,
-                "kv_cache_gib": args.kv_cache_gib}
+    settings = {
+        "device": args.device,
+        "kernels": args.kernels,
+        "dtype": "bfloat16",
+        "block_size": args.block_size,
+        "kv_cache_gib": args.kv_cache_gib,
+    }
     t0 = time.time()
     llm = engine_vllm.build_llm(args.model_dir, settings, topk=5, threads=8)
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
     rng = random.Random(0)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in questions(args.problems, rng)]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in questions(args.problems, rng)
+    ]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
 
     def params(seed, n):
@@ -141,13 +154,18 @@ def main() -> None:
     refeed = run(llm, requests, ["refeed"] * len(requests), rsampling)
     expected = [((len(r) - 1) // args.block_size) * args.block_size for r in requests]
     invariant = args.kernels == "invariant"
-    report = {"kernels": args.kernels, "matmul": args.matmul if invariant else None,
-              "attention": args.attention if invariant else None, "rms_norm": args.rms_norm if invariant else None,
-              "rollouts_alone_vs_batched": compare(alone, {i: rollouts[i] for i in alone}),
-              "exact_vs_replica": compare(exact, replica), "exact_vs_refeed": compare(exact, refeed),
-              "exact_cache_hits": sum(exact[i][2] == expected[i] for i in exact),
-              "replica_cache_hits": sum(replica[i][2] == expected[i] for i in replica),
-              "seconds": round(time.time() - t0, 1)}
+    report = {
+        "kernels": args.kernels,
+        "matmul": args.matmul if invariant else None,
+        "attention": args.attention if invariant else None,
+        "rms_norm": args.rms_norm if invariant else None,
+        "rollouts_alone_vs_batched": compare(alone, {i: rollouts[i] for i in alone}),
+        "exact_vs_replica": compare(exact, replica),
+        "exact_vs_refeed": compare(exact, refeed),
+        "exact_cache_hits": sum(exact[i][2] == expected[i] for i in exact),
+        "replica_cache_hits": sum(replica[i][2] == expected[i] for i in replica),
+        "seconds": round(time.time() - t0, 1),
+    }
     print(json.dumps(report))
     args.out.write_text(json.dumps(report, indent=1) + "\n")
 

@@ -116,7 +116,8 @@ def read_parquet(path: str | os.PathLike, **kwargs: Any) -> pl.DataFrame:
     except (pl.exceptions.PolarsError, OSError) as exc:
         raise UnreadableFileError(
             f"{path}: not a readable parquet file, truncated or corrupt ({type(exc).__name__}: {exc}); "
-            "delete it and rerun the step that writes it") from None
+            "delete it and rerun the step that writes it"
+        ) from None
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -127,8 +128,9 @@ def read_json(path: str | os.PathLike) -> Any:
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UnreadableFileError(f"{path}: not readable JSON, truncated or corrupt ({exc}); "
-                                  "delete it and rerun the step that writes it") from None
+        raise UnreadableFileError(
+            f"{path}: not readable JSON, truncated or corrupt ({exc}); delete it and rerun the step that writes it"
+        ) from None
 
 
 def write_json(obj: Any, target: str | os.PathLike) -> None:
@@ -169,8 +171,11 @@ def keyed_scratch(work_dir: str | os.PathLike, key: str) -> Path:
     stamp = work_dir / ".key"
     if work_dir.exists() and (not stamp.is_file() or stamp.read_text().strip() != key):
         if any(p.name != ".key" for p in work_dir.iterdir()):
-            print(f"{work_dir}: discarding scratch work left by a run with other settings (key "
-                  f"{stamp.read_text().strip() if stamp.is_file() else 'none'}, now {key})", file=sys.stderr)
+            print(
+                f"{work_dir}: discarding scratch work left by a run with other settings (key "
+                f"{stamp.read_text().strip() if stamp.is_file() else 'none'}, now {key})",
+                file=sys.stderr,
+            )
         shutil.rmtree(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     stamp.write_text(key + "\n")

@@ -20,8 +20,9 @@ def log_to(path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     stream = open(path, "w", buffering=1)  # noqa: SIM115 - lives as long as the step's process
     sys.stderr = stream
-    logging.basicConfig(stream=stream, level=logging.INFO, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        stream=stream, level=logging.INFO, force=True, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.captureWarnings(True)
     if os.environ.get("REPLAYNOISE_PROFILE"):
         name = f"{Path(path).parent.name}.{Path(path).stem}.prof"

@@ -30,16 +30,20 @@ def platform_problems(config: dict, *, conda: bool = False, dev: Path = Path("/d
     other_gpu = (dev / "dxg").exists() or (dev / "kfd").exists()  # WSL2's and ROCm's devices
     for name, settings in sorted(config["configs"].items()):
         if settings["engine"] == "vllm" and not conda and importlib.util.find_spec("vllm") is None:
-            problems.append(f"config key configs.{name}.engine: 'vllm', but vLLM is not installed for this "
-                            "interpreter; install it (bash install.sh --vllm) and run its snakemake "
-                            "(.venv-vllm/bin/snakemake), or run with --use-conda")
+            problems.append(
+                f"config key configs.{name}.engine: 'vllm', but vLLM is not installed for this "
+                "interpreter; install it (bash install.sh --vllm) and run its snakemake "
+                "(.venv-vllm/bin/snakemake), or run with --use-conda"
+            )
         device = settings["device"]
         if device.startswith("cuda") and not other_gpu:
             index = int(device.split(":")[1]) if ":" in device else 0
             if index >= gpus:
-                problems.append(f"config key configs.{name}.device: {device!r}, but this machine shows "
-                                f"{gpus} NVIDIA GPU(s) (/dev/nvidia*, CUDA_VISIBLE_DEVICES={visible}); use "
-                                "device: cpu, or run where the GPU is")
+                problems.append(
+                    f"config key configs.{name}.device: {device!r}, but this machine shows "
+                    f"{gpus} NVIDIA GPU(s) (/dev/nvidia*, CUDA_VISIBLE_DEVICES={visible}); use "
+                    "device: cpu, or run where the GPU is"
+                )
     return problems
 
 

@@ -60,8 +60,10 @@ def misordered(paths: list[str | Path]) -> str | None:
     for at, path in enumerate(given):
         files = configfiles(path)
         if len(files) == 2 and files[0].resolve() not in given[:at]:
-            return (f"{path} is an overlay of {files[0]} ({OVERLAY_KEY}), which must come before it: "
-                    f"--configfile {' '.join(map(str, files))}")
+            return (
+                f"{path} is an overlay of {files[0]} ({OVERLAY_KEY}), which must come before it: "
+                f"--configfile {' '.join(map(str, files))}"
+            )
     return None
 
 
@@ -70,14 +72,21 @@ def apply_overlay(config: dict) -> dict:
     rename of a configuration that is not there, or onto a name that is kept, is refused by key."""
     renames = config.get(RENAME_KEY, {})
     configs = config.get("configs")
-    if (not isinstance(renames, dict) or not all(isinstance(n, str) for n in [*renames, *renames.values()])
-            or (renames and not isinstance(configs, dict))):
-        raise ValueError(f"config key {RENAME_KEY}: a mapping of configuration names (old: new) over a configs "
-                         f"mapping, got {renames!r}")
+    if (
+        not isinstance(renames, dict)
+        or not all(isinstance(n, str) for n in [*renames, *renames.values()])
+        or (renames and not isinstance(configs, dict))
+    ):
+        raise ValueError(
+            f"config key {RENAME_KEY}: a mapping of configuration names (old: new) over a configs "
+            f"mapping, got {renames!r}"
+        )
     for old, new in renames.items():
         if old not in configs:
-            raise ValueError(f"config key {RENAME_KEY}.{old}: no configuration {old!r} to rename (the base "
-                             f"--configfile must come first; configurations: {', '.join(sorted(configs))})")
+            raise ValueError(
+                f"config key {RENAME_KEY}.{old}: no configuration {old!r} to rename (the base "
+                f"--configfile must come first; configurations: {', '.join(sorted(configs))})"
+            )
         if new in configs and new not in renames:
             raise ValueError(f"config key {RENAME_KEY}.{old}: {new!r} is already a configuration of this run")
     if len(set(renames.values())) < len(renames):

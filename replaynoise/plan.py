@@ -9,24 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from replaynoise.io import stable_hash
-from replaynoise.passes import FLOOR_CONTROLS, LAYER_PASS, pass_spec
+from replaynoise.analysis.groups import POOL_KEYS, pool_settings  # noqa: F401 (the workflow reads them here)
+from replaynoise.generation.passes import FLOOR_CONTROLS, LAYER_PASS, pass_spec
 
-#: The settings a pooled comparison keeps apart: configurations pool only where these are equal. A floor and a
-#: re-feed rate belong to one engine, one kernel mode and one model as trained and stored (a GRPO-trained model is
-#: another model than its base, fp16 another than bf16): pooled across them, they describe none of the runs, and a
-#: problem shared by two models would count as two independent clusters.
-POOL_KEYS = ("engine", "kernels", "model", "dtype", "train")
-
-
-def pool_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """A configuration's ``POOL_KEYS`` values; its train block by the hash of its recipe ("untrained" without one)."""
-    train = settings.get("train")
-    return {**{key: settings.get(key) for key in POOL_KEYS},
-            "train": "untrained" if train is None else f"grpo-{stable_hash(train)[:8]}"}
-
-#: The workflow's figures by what they are drawn from (each is ``figures.plot_<name>``), named once for the rules
-#: and for a rebuild from a reference folder.
+#: The workflow's figures by what they are drawn from (each drawn by ``report.plots.PLOTS[name]``), named once for
+#: the rules and for a rebuild from a reference folder.
 FROM_COMPARISONS = ("disagreement", "kinds_of_change", "jaccard_sweep", "mismatch_flips")
 FROM_CREDIT = ("diff_histogram", "disagreement_vs_margin")
 
@@ -47,7 +34,9 @@ def control_outputs(passes: Sequence[str]) -> dict[str, list[str]]:
     per-layer curve where a per-layer transplant runs, the table where any control runs."""
     specs = [pass_spec(p) for p in passes]
     figures = (["transplant"] if any(s.donor for s in specs) else []) + (
-        ["transplant_layers"] if any(LAYER_PASS.fullmatch(p) for p in passes) else [])
+        ["transplant_layers"] if any(LAYER_PASS.fullmatch(p) for p in passes) else []
+    )
     tables = (["controls"] if any(not s.source.plain for s in specs) else []) + (
-        ["floors"] if any(p in FLOOR_CONTROLS for p in passes) else [])
+        ["floors"] if any(p in FLOOR_CONTROLS for p in passes) else []
+    )
     return {"figures": figures, "tables": tables}

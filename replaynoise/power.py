@@ -5,9 +5,9 @@ given excess.
     python -m replaynoise.power reference/gpu-vllm/ladder --config qwen2.5-coder-0.5b-vllm --excess 3 5
 
 A pilot's ``comparison.json`` holds, per conditioning, the crossed model's variance components of the excess
-(problems, pass draws, their interaction; ``crossed.components``). Var(excess) at G problems and R pairs is
+(problems, pass draws, their interaction; ``replicated.components``). Var(excess) at G problems and R pairs is
 sigma_u^2/G + sigma_v^2/R + sigma_w^2/(G R) with the pilot's pivots per problem; the power to exclude zero at a true
-excess of d is P(|estimate|/SE > t) with the design's Satterthwaite degrees of freedom (``crossed.plan``). A pilot
+excess of d is P(|estimate|/SE > t) with the design's Satterthwaite degrees of freedom (``replicated.plan``). A pilot
 of one draw per pass has no pass component to plan with, so it is refused: run it with replay.replicates >= 2.
 """
 
@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from replaynoise.crossed import Components, plan
+from replaynoise.analysis.replicated import Components, plan
 from replaynoise.io import read_json
-from replaynoise.summary import aligned
+from replaynoise.report.summary import aligned
 
 PROBLEMS = (20, 40, 80, 160, 320)
 PAIRS = (2, 3, 5, 8)
@@ -30,28 +31,49 @@ def pilot_components(comparison: dict, conditioning: str) -> Components:
     block = comparison["conditionings"][conditioning]
     replicated = block.get("replicated")
     if not replicated or not replicated.get("available"):
-        raise ValueError(f"{comparison.get('config')}: {conditioning}: no replicated passes (one draw per pass "
-                         "cannot estimate the pass-level component); run the pilot with replay.replicates >= 2")
+        raise ValueError(
+            f"{comparison.get('config')}: {conditioning}: no replicated passes (one draw per pass "
+            "cannot estimate the pass-level component); run the pilot with replay.replicates >= 2"
+        )
     crossed = replicated["excess_pp"]["crossed"]
     parts = crossed.get("components")
     if not parts:
         raise ValueError(f"{comparison.get('config')}: {conditioning}: {crossed.get('reason', 'no components')}")
     ms = parts["mean_squares"]
-    return Components(problem=(parts["problem_sd"] / 100) ** 2, pass_level=(parts["pass_sd"] / 100) ** 2,
-                      residual=(parts["residual_sd"] / 100) ** 2, n_problems=crossed["n_problems"],
-                      n_pairs=crossed["n_pairs"], mean_squares=(ms["problems"], ms["pairs"], ms["residual"]))
+    return Components(
+        problem=(parts["problem_sd"] / 100) ** 2,
+        pass_level=(parts["pass_sd"] / 100) ** 2,
+        residual=(parts["residual_sd"] / 100) ** 2,
+        n_problems=crossed["n_problems"],
+        n_pairs=crossed["n_pairs"],
+        mean_squares=(ms["problems"], ms["pairs"], ms["residual"]),
+    )
 
 
-def power_table(comparison: dict, conditioning: str, excess: list[float], problems=PROBLEMS, pairs=PAIRS,
-                ci: float = 0.95, power: float = 0.8) -> str:
+def power_table(
+    comparison: dict,
+    conditioning: str,
+    excess: list[float],
+    problems: Sequence[int] = PROBLEMS,
+    pairs: Sequence[int] = PAIRS,
+    power: float = 0.8,
+) -> str:
     """For each excess, the smallest number of problems that resolves it with ``power`` at each number of pairs,
-    and the power at the pilot's own size."""
+    and the power at the pilot's own size; "resolves" at the pilot's own interval level (``analysis.ci``)."""
     comp = pilot_components(comparison, conditioning)
-    lines = [f"{comparison.get('config')}, {conditioning} conditioning: pilot of {comp.n_problems} problems and "
-             f"{comp.n_pairs} pairs; SD of a pair's excess from the pass draw {100 * comp.pass_level ** 0.5:.1f} pp, "
-             f"problem SD {100 * comp.problem ** 0.5:.1f} pp, residual SD {100 * comp.residual ** 0.5:.1f} pp"]
-    cells = [["true excess pp", *(f"problems for {power:.0%} power, {r} pairs" for r in pairs),
-              f"power at the pilot's {comp.n_problems} x {comp.n_pairs}"]]
+    ci = comparison["parameters"]["ci"]
+    lines = [
+        f"{comparison.get('config')}, {conditioning} conditioning: pilot of {comp.n_problems} problems and "
+        f"{comp.n_pairs} pairs; SD of a pair's excess from the pass draw {100 * comp.pass_level**0.5:.1f} pp, "
+        f"problem SD {100 * comp.problem**0.5:.1f} pp, residual SD {100 * comp.residual**0.5:.1f} pp"
+    ]
+    cells = [
+        [
+            "true excess pp",
+            *(f"problems for {power:.0%} power, {r} pairs" for r in pairs),
+            f"power at the pilot's {comp.n_problems} x {comp.n_pairs}",
+        ]
+    ]
     for d in excess:
         rows = plan(comp, d, problems=problems, pairs=pairs, ci=ci, power=power)
         row = [f"{d:+.1f}"]

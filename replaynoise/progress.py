@@ -20,8 +20,16 @@ class TokenProgress:
         if initial:
             # Said plainly in the log: a rerun after an interruption continues, it does not start again.
             print(f"{desc}: resuming, {initial} of {total_rows} rows kept from an interrupted run", file=sys.stderr)
-        self.bar = tqdm(total=total_rows, initial=initial, desc=desc, unit="row", file=sys.stderr,
-                        mininterval=2.0, dynamic_ncols=False, ncols=100)
+        self.bar = tqdm(
+            total=total_rows,
+            initial=initial,
+            desc=desc,
+            unit="row",
+            file=sys.stderr,
+            mininterval=2.0,
+            dynamic_ncols=False,
+            ncols=100,
+        )
         self.tokens = 0
         self.start = time.perf_counter()
 
@@ -37,15 +45,20 @@ class TokenProgress:
         a second line saying where the loop's time went."""
         self.bar.close()
         seconds = time.perf_counter() - self.start
-        print(f"{self.bar.desc}: done, {self.bar.n - self.bar.initial} rows, {self.tokens} generated tokens in "
-              f"{seconds:.1f} s ({self.tokens / max(seconds, 1e-9):.0f} tok/s)", file=sys.stderr)
+        print(
+            f"{self.bar.desc}: done, {self.bar.n - self.bar.initial} rows, {self.tokens} generated tokens in "
+            f"{seconds:.1f} s ({self.tokens / max(seconds, 1e-9):.0f} tok/s)",
+            file=sys.stderr,
+        )
         parts = [p.summary() for p in phases if p.seconds]
         if parts:
             print(f"{self.bar.desc}: time by phase: {'; '.join(parts)}", file=sys.stderr)
         steps = {name: n for p in phases for name, n in p.steps.items()}
         if steps:
-            print(f"{self.bar.desc}: steps by phase: " + ", ".join(f"{name} {n}" for name, n in steps.items()),
-                  file=sys.stderr)
+            print(
+                f"{self.bar.desc}: steps by phase: " + ", ".join(f"{name} {n}" for name, n in steps.items()),
+                file=sys.stderr,
+            )
         memory = gpu_memory()
         if memory:
             print(f"{self.bar.desc}: GPU memory: {memory}", file=sys.stderr)
@@ -98,6 +111,8 @@ def gpu_memory() -> str | None:
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     free, total = torch.cuda.mem_get_info()
-    return (f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, reserved "
-            f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB; device in use {(total - free) / 2**30:.2f} of "
-            f"{total / 2**30:.2f} GiB")
+    return (
+        f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, reserved "
+        f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB; device in use {(total - free) / 2**30:.2f} of "
+        f"{total / 2**30:.2f} GiB"
+    )

@@ -23,8 +23,18 @@ from replaynoise.io import read_json, read_manifest, sha256_file, write_text
 
 #: Packages whose versions go into provenance.json.
 TRACKED_PACKAGES = (
-    "torch", "transformers", "snakemake", "polars", "statsmodels", "matplotlib",
-    "gguf", "accelerate", "safetensors", "math-verify", "numpy", "vllm",
+    "torch",
+    "transformers",
+    "snakemake",
+    "polars",
+    "statsmodels",
+    "matplotlib",
+    "gguf",
+    "accelerate",
+    "safetensors",
+    "math-verify",
+    "numpy",
+    "vllm",
 )
 
 
@@ -75,8 +85,11 @@ def verify_coverage(manifest: str | os.PathLike, expected: list[str]) -> list[st
         listed = read_manifest(manifest)
     except (OSError, ValueError):
         return []  # verify_manifest names it
-    return [f"UNLISTED {rel} (the run's plan makes it; the manifest has no line for it)"
-            for rel in expected if rel not in listed]
+    return [
+        f"UNLISTED {rel} (the run's plan makes it; the manifest has no line for it)"
+        for rel in expected
+        if rel not in listed
+    ]
 
 
 def verify_settings(provenance: str | os.PathLike, config: dict, analysis_hash: str) -> list[str]:
@@ -87,13 +100,17 @@ def verify_settings(provenance: str | os.PathLike, config: dict, analysis_hash: 
     recorded = record.get("analysis_hash")
     problems = []
     if recorded != analysis_hash:
-        problems.append(f"SETTINGS provenance.json records analysis hash {recorded}, this configuration's is "
-                        f"{analysis_hash} (verify with the configuration the run was made with)")
+        problems.append(
+            f"SETTINGS provenance.json records analysis hash {recorded}, this configuration's is "
+            f"{analysis_hash} (verify with the configuration the run was made with)"
+        )
     config_recorded = record.get("config")
     own = config_hash(config_recorded) if isinstance(config_recorded, dict) else "(no configuration)"
     if own != recorded:
-        problems.append(f"SETTINGS provenance.json's config hashes to {own}, not to the analysis hash it records "
-                        f"({recorded}): it was edited after the run")
+        problems.append(
+            f"SETTINGS provenance.json's config hashes to {own}, not to the analysis hash it records "
+            f"({recorded}): it was edited after the run"
+        )
     return problems
 
 
@@ -130,10 +147,12 @@ def git_commit(repo_dir: str | os.PathLike) -> dict[str, Any]:
     """The commit the workflow's source is at and whether its tree differs. Read-only: a plain ``git status``
     refreshes the user's index under ``.git/index.lock``, and a run killed at that moment would leave the lock
     behind and stop the user's next git command, so the optional locks are off."""
+
     def run(*args: str) -> str | None:
         try:
-            return subprocess.run(["git", *args], cwd=repo_dir, capture_output=True, text=True,
-                                  check=True).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=repo_dir, capture_output=True, text=True, check=True
+            ).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             return None
 
@@ -158,14 +177,20 @@ def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
                 flags = set(value.split())
     except OSError:  # no /proc (macOS): the model name below, features unknown
         return {"cpu_model": platform.processor() or None, "cpu_features": None}
-    return {"cpu_model": model or platform.processor() or None,
-            "cpu_features": [f for f in KERNEL_FEATURES if f in flags]}
+    return {
+        "cpu_model": model or platform.processor() or None,
+        "cpu_features": [f for f in KERNEL_FEATURES if f in flags],
+    }
 
 
 def hardware() -> dict[str, Any]:
     info: dict[str, Any] = {
-        "machine": platform.machine(), "processor": platform.processor(), "system": platform.system(),
-        "python": platform.python_version(), "cpu_count": os.cpu_count(), **cpu_description(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "system": platform.system(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        **cpu_description(),
     }
     try:
         import torch
@@ -184,8 +209,13 @@ def hardware() -> dict[str, Any]:
 def nvidia_driver() -> str | None:
     """The NVIDIA driver version (kernels and their numerics can change with it); None where it cannot be read."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     versions = sorted({line.strip() for line in out.splitlines() if line.strip()})
@@ -203,7 +233,7 @@ def install_mode() -> str:
 
 
 #: Environment variables a run's numbers depend on: the static decoder's attention kernel
-#: (replaynoise.engines.kernels.STATIC_ATTENTION_VARIABLE, read where torch is; named here so the record needs none).
+#: (replaynoise.engines.hf.kernels.STATIC_ATTENTION_VARIABLE, read where torch is; named here so the record needs none).
 RECORDED_VARIABLES = ("REPLAYNOISE_STATIC_ATTENTION",)
 
 
@@ -215,8 +245,10 @@ def provenance_record(config: dict, analysis_hash: str, repo_dir: str | os.PathL
         "analysis_hash": analysis_hash,
         "config": config,
         "deviations_from_committed_defaults": deviations(config),
-        "seeds": {"root": config.get("seed"),
-                  "derivation": "blake2b(root, config, purpose, problem, pivot, branch, k) -> 63-bit"},
+        "seeds": {
+            "root": config.get("seed"),
+            "derivation": "blake2b(root, config, purpose, problem, pivot, branch, k) -> 63-bit",
+        },
         "packages": package_versions(),
         "hardware": hardware(),
         "install_mode": install_mode(),
@@ -285,4 +317,3 @@ def source_digest(script: str | os.PathLike, root: str | os.PathLike) -> str:
     for path in import_closure(script, root):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
-

@@ -19,31 +19,29 @@ Several files given together are pooled into one configuration, as the paper poo
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 
-from replaynoise import figures
-from replaynoise.analysis import compare_passes, verification_summary
+from replaynoise.analysis.comparison import compare_passes, verification_summary
+from replaynoise.analysis.conditionings import PAPER_CONDITIONING
+from replaynoise.analysis.credit import CREDIT_COLUMNS, eligible_expr
+from replaynoise.analysis.probes import PROBE_SCHEMA
 from replaynoise.config import load_schema
-from replaynoise.credit import CREDIT_COLUMNS, eligible_expr
-from replaynoise.io import sha256_file, stable_hash, write_json, write_text
-from replaynoise.stats import PROBE_SCHEMA
-from replaynoise.tables import headline_rows, render_table1, write_headline_tables
+from replaynoise.io import stable_hash, write_json, write_text
+from replaynoise.paper_records import (
+    PASS_KEYS,
+    PROBE_SUFFIXES,
+    records_frame,
+)
+from replaynoise.plan import FROM_CREDIT, plot_options
+from replaynoise.report.headline import headline_rows
+from replaynoise.report.plots import PLOTS
+from replaynoise.report.tables import render_table1, write_headline_tables
+from replaynoise.settings import AnalysisSettings
 
-#: Our pass name -> the record key of its estimate.
-PASS_KEYS = {"exact": "A_exact1", "replica": "A_exact2", "refeed": "A_refeed"}
-#: Our pass name -> the suffix of the record's probe keys (compared against exact1 by the harness).
-PROBE_SUFFIXES = {"replica": "exact2", "refeed": "refeed"}
-REQUIRED_KEYS = ("problem_id", "rollout", "abs_pos", "margin", *PASS_KEYS.values())
-#: Lattice tolerance: the records' Â are means of 0/1 rewards, exact multiples of 1/K up to float rounding.
-LATTICE_EPS = 1e-9
 #: The paper's Table 1: row label and the files behind it (names of tests/data/paper-records/README.md).
 TABLE1_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Main pooled (t=.7, K=4)", ("c2-primary", "c2-screened")),
@@ -59,117 +57,8 @@ MIN_BOOT = load_schema()["properties"]["analysis"]["properties"]["n_boot"]["mini
 FIGURES = ("disagreement", "kinds_of_change", "jaccard_sweep", "diff_histogram", "disagreement_vs_margin")
 
 
-# ------------------------------------------------------------------------------------------------ reading
-
-def read_result_file(path: str | Path) -> dict:
-    """One result file, gzip-compressed or plain JSON (told apart by its first bytes, not its name)."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
-    try:
-        data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    except (OSError, EOFError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not a readable JSON result file ({exc})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("pivots"), list):
-        raise ValueError(f"{path}: not a per-pivot result file (no top-level 'pivots' list)")
-    return data
-
-
-def _lattice(value: Any, k: int, where: str) -> float:
-    """Â snapped to its lattice point j/K, computed as our credit frames compute it (bitwise comparable)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{where}: {value!r} is not a finite number")
-    j = round(value * k)
-    if abs(value * k - j) > LATTICE_EPS or abs(j) > k:
-        raise ValueError(f"{where}: {value!r} is not a multiple of 1/K in [-1, 1] for K={k}")
-    return j / k
-
-
-#: The types a record's fields must have (beyond the estimates, checked on their lattice): the pivot id is made
-#: of the first three, and the rest become typed columns.
-FIELD_TYPES = {"problem_id": (str, int), "rollout": (int,), "abs_pos": (int,), "margin": (int, float),
-               "gen_index": (int, type(None)), "rollout_correct": (bool, int, type(None)),
-               **{f"greedy_first_logprob_delta_{s}": (int, float, type(None)) for s in PROBE_SUFFIXES},
-               **{f"greedy_divergence_{s}": (bool, int, type(None)) for s in PROBE_SUFFIXES}}
-
-
-def _check_fields(rec: dict, where: str) -> None:
-    """A clear error naming the file, the pivot and the field, instead of a traceback from deep in the adapter."""
-    for key, types in FIELD_TYPES.items():
-        value = rec.get(key)
-        if key not in rec and type(None) in types:
-            continue
-        wrong = not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
-        if not wrong and isinstance(value, float) and not math.isfinite(value):
-            wrong = True
-        if wrong:
-            kinds = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-            raise ValueError(f"{where}: field {key!r} is {value!r}; expected {kinds}"
-                             + (" (finite)" if float in types else ""))
-
-
-def records_frame(paths: Sequence[str | Path], k: int | None = None) -> tuple[pl.DataFrame, dict]:
-    """All pivots of ``paths`` as one frame (one row per pivot), and what was read (files, K, duplicates).
-
-    pivot_id = "{problem_id}/r{rollout}@{abs_pos}". A pivot id seen again (the paper's C1 cohorts overlap) is
-    dropped, keeping the first, as the paper deduplicates its C1 pool; the count is reported.
-    """
-    if not paths:
-        raise ValueError("no result files given")
-    files, rows, seen, dropped = [], [], set(), 0
-    ks = set()
-    for path in paths:
-        data = read_result_file(path)
-        file_k = data.get("config", {}).get("k")
-        if k is not None and file_k is not None and k != file_k:
-            raise ValueError(f"{path}: --k {k} differs from the K of {file_k} its config records; the estimates "
-                             "are on the 1/K lattice of the K they were sampled with (leave --k out)")
-        use_k = k if k is not None else file_k
-        if not isinstance(use_k, int) or use_k < 1:
-            raise ValueError(f"{path}: no usable K in its config (k={file_k!r}); pass --k")
-        ks.add(use_k)
-        config = data.get("config", {})
-        files.append({"path": str(path), "sha256": sha256_file(path), "n_pivots": len(data["pivots"]),
-                      "final": data.get("final"), "model": config.get("model"), "k": use_k})
-        for i, rec in enumerate(data["pivots"]):
-            where = f"{path}: pivot {i}"
-            if not isinstance(rec, dict):
-                raise ValueError(f"{where}: not an object (a {type(rec).__name__})")
-            missing = [key for key in REQUIRED_KEYS if key not in rec]
-            if missing:
-                raise ValueError(f"{where}: lacks key(s) {missing}")
-            _check_fields(rec, where)
-            pivot_id = f"{rec['problem_id']}/r{rec['rollout']}@{rec['abs_pos']}"
-            if pivot_id in seen:
-                dropped += 1
-                continue
-            seen.add(pivot_id)
-            ok = [rec[key] for key in ("cache_ok_exact1", "cache_ok_exact2") if key in rec]
-            row = {"pivot_id": pivot_id, "problem_id": str(rec["problem_id"]), "t": rec.get("gen_index"),
-                   "prefix_len": rec["abs_pos"], "margin": float(rec["margin"]),
-                   "rollout_correct": None if rec.get("rollout_correct") is None else bool(rec["rollout_correct"]),
-                   "k": use_k, "verified": all(bool(v) for v in ok)}
-            for name, key in PASS_KEYS.items():
-                row[f"a_hat__{name}"] = _lattice(rec[key], use_k, f"{where} ({pivot_id}) {key}")
-            for name, suffix in PROBE_SUFFIXES.items():
-                delta, div = rec.get(f"greedy_first_logprob_delta_{suffix}"), rec.get(f"greedy_divergence_{suffix}")
-                row[f"probe_delta__{name}"] = None if delta is None else float(delta)
-                row[f"probe_diverged__{name}"] = None if div is None else bool(div)
-            rows.append(row)
-    if len(ks) > 1:
-        raise ValueError(f"files of different K cannot be pooled: K values {sorted(ks)} in {list(map(str, paths))}")
-    schema = {"pivot_id": pl.String, "problem_id": pl.String, "t": pl.Int64, "prefix_len": pl.Int64,
-              "margin": pl.Float64, "rollout_correct": pl.Boolean, "k": pl.Int64, "verified": pl.Boolean}
-    schema |= {f"a_hat__{name}": pl.Float64 for name in PASS_KEYS}
-    schema |= {f"probe_delta__{n}": pl.Float64 for n in PROBE_SUFFIXES}
-    schema |= {f"probe_diverged__{n}": pl.Boolean for n in PROBE_SUFFIXES}
-    info = {"files": files, "k": ks.pop(), "n_pivots": len(rows), "duplicates_dropped": dropped}
-    return pl.DataFrame(rows, schema=schema), info
-
-
 # ------------------------------------------------------------------------------------------------ adapter
+
 
 def credit_frames(records: pl.DataFrame, k: int) -> dict[str, pl.DataFrame]:
     """Our credit frames (``CREDIT_COLUMNS``) of exact, replica and refeed from the records.
@@ -180,27 +69,46 @@ def credit_frames(records: pl.DataFrame, k: int) -> dict[str, pl.DataFrame]:
     null_int = pl.lit(None, dtype=pl.Int64)
     out = {}
     for name in PASS_KEYS:
-        out[name] = records.select(
-            "pivot_id", "problem_id", pl.lit(name, dtype=pl.String).alias("pass_name"), "t", "margin",
-            "prefix_len", "rollout_correct", "k", null_int.alias("n_orig_correct"),
-            null_int.alias("n_sub_correct"), pl.lit(2 * k, dtype=pl.Int64).alias("n_rows"),
-            null_int.alias("n_finished"), "verified", pl.col(f"a_hat__{name}").alias("a_hat"),
-        ).with_columns(eligible_expr("graded", k).alias("eligible")).select(CREDIT_COLUMNS)
+        out[name] = (
+            records.select(
+                "pivot_id",
+                "problem_id",
+                pl.lit(name, dtype=pl.String).alias("pass_name"),
+                "t",
+                "margin",
+                "prefix_len",
+                "rollout_correct",
+                "k",
+                null_int.alias("n_orig_correct"),
+                null_int.alias("n_sub_correct"),
+                pl.lit(2 * k, dtype=pl.Int64).alias("n_rows"),
+                null_int.alias("n_finished"),
+                "verified",
+                pl.col(f"a_hat__{name}").alias("a_hat"),
+            )
+            .with_columns(eligible_expr("graded", k).alias("eligible"))
+            .select(CREDIT_COLUMNS)
+        )
     return out
 
 
 def probe_frame(records: pl.DataFrame) -> pl.DataFrame:
-    """The per-pivot probe frame (``stats.PROBE_SCHEMA``) from the records' greedy_* keys (max over arms,
-    vs exact1, as ``stats.probe_deltas`` computes it from our pass frames)."""
-    parts = [records.select("pivot_id", pl.lit(name, dtype=pl.String).alias("pass_name"),
-                            pl.col(f"probe_delta__{name}").alias("max_abs_delta"),
-                            pl.col(f"probe_diverged__{name}").alias("diverged"))
-             .filter(pl.col("max_abs_delta").is_not_null() | pl.col("diverged").is_not_null())
-             for name in PROBE_SUFFIXES]
+    """The per-pivot probe frame (``probes.PROBE_SCHEMA``) from the records' greedy_* keys (max over arms,
+    vs exact1, as ``probes.probe_deltas`` computes it from our pass frames)."""
+    parts = [
+        records.select(
+            "pivot_id",
+            pl.lit(name, dtype=pl.String).alias("pass_name"),
+            pl.col(f"probe_delta__{name}").alias("max_abs_delta"),
+            pl.col(f"probe_diverged__{name}").alias("diverged"),
+        ).filter(pl.col("max_abs_delta").is_not_null() | pl.col("diverged").is_not_null())
+        for name in PROBE_SUFFIXES
+    ]
     return pl.concat(parts).select(list(PROBE_SCHEMA)).cast(PROBE_SCHEMA)
 
 
 # ------------------------------------------------------------------------------------------------ analysis
+
 
 def default_settings() -> dict:
     """The analysis settings of the embedded default (schema defaults): the paper's definitions."""
@@ -210,27 +118,39 @@ def default_settings() -> dict:
     return settings
 
 
-def reanalyze(paths: Sequence[str | Path], *, label: str, k: int | None = None,
-              settings: dict | None = None) -> tuple[dict, dict[str, pl.DataFrame]]:
+def reanalyze(
+    paths: Sequence[str | Path], *, label: str, k: int | None = None, settings: dict | None = None
+) -> tuple[dict, dict[str, pl.DataFrame]]:
     """The comparison (``compare_passes`` output, plus sources) and the credit frames of one configuration."""
     s = default_settings() | (settings or {})
     if s["n_boot"] < MIN_BOOT:
-        raise ValueError(f"--n-boot (analysis.n_boot) is {s['n_boot']}; at least {MIN_BOOT} bootstrap resamples are "
-                         "needed for an interval")
+        raise ValueError(
+            f"--n-boot (analysis.n_boot) is {s['n_boot']}; at least {MIN_BOOT} bootstrap resamples are "
+            "needed for an interval"
+        )
     records, info = records_frame(paths, k)
     credit = credit_frames(records, info["k"])
-    result = compare_passes(credit, theta=s["theta"], theta_sweep=None, n_boot=s["n_boot"], seed=s["seed"],
-                            min_eligible=s["min_eligible"], ci=s["ci"], metric=s["metric"],
-                            margin_split=s["margin_split"], probes=probe_frame(records),
-                            probe_reason="not recorded in these files")
+    result = compare_passes(
+        credit,
+        AnalysisSettings.of(s, s["seed"]),
+        probes=probe_frame(records),
+        probe_reason="not recorded in these files",
+    )
     analysis_hash = stable_hash({"settings": s, "files": [f["sha256"] for f in info["files"]], "k": info["k"]})
-    result.update(config=label, reanalysis=True, sources=info, analysis_hash=analysis_hash,
-                  eligibility="graded", verification=verification_summary(credit["exact"]))
+    result.update(
+        config=label,
+        reanalysis=True,
+        sources=info,
+        analysis_hash=analysis_hash,
+        eligibility="graded",
+        verification=verification_summary(credit["exact"]),
+    )
     return result, credit
 
 
-def write_outputs(results: dict[str, dict], credits: dict[str, dict[str, pl.DataFrame]], out: Path,
-                  draw: bool = True) -> list[Path]:
+def write_outputs(
+    results: dict[str, dict], credits: dict[str, dict[str, pl.DataFrame]], out: Path, draw: bool = True
+) -> list[Path]:
     """comparison.json per configuration (in its own folder when several), the headline tables, figures."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -243,19 +163,16 @@ def write_outputs(results: dict[str, dict], credits: dict[str, dict[str, pl.Data
     analysis_hash = stable_hash([r["analysis_hash"] for r in results.values()])
     paths = [out / f"headline.{ext}" for ext in ("csv", "md", "tex")]
     write_headline_tables(table, analysis_hash, *paths)
-    write_text(render_table1(table), out / "table1.txt")
+    write_text(render_table1(table, PAPER_CONDITIONING), out / "table1.txt")
     written += [*paths, out / "table1.txt"]
     if draw:
-        conditioning, metric = "main", next(iter(results.values()))["metric"]
+        # drawn as the embedded default draws them (the schema's figures block), at the records' metric
+        figures = {key: spec["default"] for key, spec in load_schema()["properties"]["figures"]["properties"].items()}
+        shown = {"figures": figures, "analysis": {"metric": next(iter(results.values()))["metric"]}}
         (out / "figures").mkdir(exist_ok=True)
         for name in FIGURES:
             png, pdf = out / "figures" / f"{name}.png", out / "figures" / f"{name}.pdf"
-            plot = getattr(figures, f"plot_{name}")
-            if name in ("diff_histogram", "disagreement_vs_margin"):
-                extra = {"metric": metric} if name == "disagreement_vs_margin" else {}
-                plot(credits, png, pdf, conditioning=conditioning, **extra)
-            else:
-                plot(results, png, pdf, conditioning=conditioning)
+            PLOTS[name](credits if name in FROM_CREDIT else results, png, pdf, **plot_options(name, shown))
             written += [png, pdf]
     return written
 
@@ -278,8 +195,9 @@ def table1_files(directory: str | Path) -> list[tuple[str, list[Path]]]:
                 missing.append(f"{stem}.json.gz")
         rows.append((label, paths))
     if missing:
-        raise FileNotFoundError(f"{directory}: missing the paper's file(s) {missing} "
-                                "(names as in tests/data/paper-records/)")
+        raise FileNotFoundError(
+            f"{directory}: missing the paper's file(s) {missing} (names as in tests/data/paper-records/)"
+        )
     return rows
 
 
@@ -293,12 +211,17 @@ def table1(directory: str | Path, settings: dict | None = None) -> tuple[dict[st
 
 # ---------------------------------------------------------------------------------------------------- CLI
 
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m replaynoise.reanalyze", description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="*", help="per-pivot result files (gz or plain JSON), pooled into one row")
     ap.add_argument("--table1", metavar="DIR", help="a folder with the paper's files: print all of Table 1")
-    ap.add_argument("--out", metavar="DIR", help="where to write comparison.json, the tables and figures "
-                                                 "(default results/reanalysis/LABEL; --table1: none)")
+    ap.add_argument(
+        "--out",
+        metavar="DIR",
+        help="where to write comparison.json, the tables and figures "
+        "(default results/reanalysis/LABEL; --table1: none)",
+    )
     ap.add_argument("--label", help="the configuration's name (default: the files' names)")
     ap.add_argument("--k", type=int, help="continuations per arm, if the files' config lacks it")
     ap.add_argument("--metric", choices=("sign", "value"), help="headline disagreement metric (default sign)")
@@ -311,8 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if bool(args.files) == bool(args.table1):
         _parser().error("give result FILEs or --table1 DIR (not both)")
-    settings = {key: value for key, value in (("metric", args.metric), ("n_boot", args.n_boot))
-                if value is not None}
+    settings = {key: value for key, value in (("metric", args.metric), ("n_boot", args.n_boot)) if value is not None}
     try:
         if args.table1:
             if args.k is not None or args.label is not None:
@@ -327,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"reanalyze: error: {exc}", file=sys.stderr)
         return 2
-    print(render_table1(headline_rows(results)), end="")
+    print(render_table1(headline_rows(results), PAPER_CONDITIONING), end="")
     if out is not None:
         written = write_outputs(results, credits, out, draw=not args.no_figures)
         print(f"wrote {len(written)} files under {out}")

@@ -12,6 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
 #: rows of the invariant decoder shape, and the prompt tokens its derived length leaves room for (config.py fills
 #: both into every HF invariant configuration that decodes statically)
 INVARIANT_ROWS, INVARIANT_PROMPT = 64, 512
@@ -33,7 +38,7 @@ def compute_threads(settings: Mapping, threads: int) -> int:
 
 
 #: what a small model's vLLM process holds on the GPU besides its KV cache (weights, activations, CUDA context):
-#: a job of a cache of kv_cache_gib asks for that much more of the GPU (engines.vllm_build.gpu_memory_share)
+#: a job of a cache of kv_cache_gib asks for that much more of the GPU (engines.vllm.build.gpu_memory_share)
 GPU_HEADROOM_GIB = 8.0
 
 
@@ -42,8 +47,11 @@ def gpu_reservation_gib(settings: Mapping) -> int:
     share left null) and its headroom, rounded up; 0 where the job names no such amount (a share of whatever GPU
     it gets, the HF engine, CPU)."""
     vllm = settings.get("vllm") or {}
-    if settings.get("engine") != "vllm" or not str(settings.get("device")).startswith("cuda") \
-            or vllm.get("gpu_memory_utilization") is not None:
+    if (
+        settings.get("engine") != "vllm"
+        or not str(settings.get("device")).startswith("cuda")
+        or vllm.get("gpu_memory_utilization") is not None
+    ):
         return 0
     return int(-(-(settings["kv_cache_gib"] + GPU_HEADROOM_GIB) // 1))
 
@@ -66,10 +74,17 @@ class EngineSettings:
 
     @classmethod
     def of(cls, settings: Mapping) -> EngineSettings:
-        return cls(engine=settings["engine"], dtype=settings["dtype"], device=settings["device"],
-                   kernels=settings["kernels"], decode=settings["decode"], cpu_matmul=settings["cpu_matmul"],
-                   stop=tuple(stop_texts(settings)), invariant_rows=settings.get("invariant_rows"),
-                   invariant_context=settings.get("invariant_context"))
+        return cls(
+            engine=settings["engine"],
+            dtype=settings["dtype"],
+            device=settings["device"],
+            kernels=settings["kernels"],
+            decode=settings["decode"],
+            cpu_matmul=settings["cpu_matmul"],
+            stop=tuple(stop_texts(settings)),
+            invariant_rows=settings.get("invariant_rows"),
+            invariant_context=settings.get("invariant_context"),
+        )
 
 
 @dataclass(frozen=True)
@@ -86,12 +101,6 @@ class PromptSettings:
         return cls(style=prompt["style"], instruction=prompt["instruction"], shots=tuple(prompt.get("shots", ())))
 
 
-def long_prompts(rollouts: Mapping) -> str:
-    """What the rollout step does with a prompt that leaves no room for its budgets (``rollouts.long_prompts``;
-    absent: refuse)."""
-    return rollouts.get("long_prompts", "refuse")
-
-
 def stop_texts(settings: Mapping) -> list[str]:
     """A configuration's stop texts (``stop``; absent: none), as a trained model's recipe records them."""
     return list(settings.get("stop", []))
@@ -100,3 +109,101 @@ def stop_texts(settings: Mapping) -> list[str]:
 def cross_scoring(analysis: Mapping) -> list[tuple[str, str]]:
     """The (rollouts, scorer) configuration pairs of ``analysis.cross_scoring`` (absent: none)."""
     return [(pair["rollouts"], pair["scorer"]) for pair in analysis.get("cross_scoring", [])]
+
+
+#: what the rollout step does with a prompt past the context where the configuration does not say
+#: (``rollouts.long_prompts``, a key absent from the validated mapping unless given)
+LONG_PROMPTS_ABSENT = "refuse"
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How the rollout step samples and batches (``rollouts``)."""
+
+    per_problem: int
+    batch_size: int
+    #: what a prompt past the context does: "refuse" stops the step, "skip" leaves its problem out
+    long_prompts: str
+
+    @classmethod
+    def of(cls, rollouts: Mapping) -> RolloutSettings:
+        return cls(
+            per_problem=rollouts["per_problem"],
+            batch_size=rollouts["batch_size"],
+            long_prompts=rollouts.get("long_prompts", LONG_PROMPTS_ABSENT),
+        )
+
+
+@dataclass(frozen=True)
+class AnalysisSettings:
+    """The section-4 comparison's settings (``analysis``, and the root ``seed`` its bootstraps draw from): one
+    reading of the block, for the workflow's rules and a reference's rebuild alike, so that a rebuild cannot
+    analyse otherwise than the run did."""
+
+    theta: float
+    n_boot: int
+    min_eligible: int
+    ci: float
+    metric: str
+    margin_split: float
+    eligibility: str
+    seed: int
+    #: the critical-set thresholds swept (None: the lattice of the run's K values); not a configuration key
+    theta_sweep: tuple[float, ...] | None = None
+
+    @classmethod
+    def of(cls, analysis: Mapping, seed: int) -> AnalysisSettings:
+        return cls(
+            theta=analysis["theta"],
+            n_boot=analysis["n_boot"],
+            min_eligible=analysis["min_eligible"],
+            ci=analysis["ci"],
+            metric=analysis["metric"],
+            margin_split=analysis["margin_split"],
+            eligibility=analysis["eligibility"],
+            seed=seed,
+        )
+
+
+#: the disagreement metric of a comparison written before comparisons named theirs (reference/cpu's first
+#: three configurations): the sign metric, the only one there was
+METRIC_BEFORE_THE_KEY = "sign"
+
+
+def comparison_metric(comparison: Mapping) -> str:
+    """The headline disagreement metric a written comparison (``compare_passes`` output) used."""
+    return str(comparison.get("metric", METRIC_BEFORE_THE_KEY))
+
+
+#: the re-feed and replica draws of a run whose provenance predates ``replay.replicates``: one of each
+REPLICATES_BEFORE_THE_KEY = 1
+
+
+def replicates(replay: Mapping) -> int:
+    """The draws of each replayed pass a replay block asks for (``replay.replicates``): a validated block always
+    names them; a committed run's provenance written before the key does not."""
+    return int(replay.get("replicates", REPLICATES_BEFORE_THE_KEY))
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """How a pass replays its pivots (``replay``)."""
+
+    #: continuations per branch
+    k: int
+    #: continuation rows a batch (a pass whose spec fixes its rows runs with those)
+    batch_size: int
+    #: greedy tokens of each branch's probe (0: none)
+    probe_tokens: int
+    #: the pivots a pass that runs on a sample takes, by the key that sizes it (``replay.serial_pivots``; every
+    #: such key names pivots); a key absent here was not given
+    sample_sizes: Mapping[str, int]
+
+    @classmethod
+    def of(cls, replay: Mapping) -> ReplaySettings:
+        return cls(
+            k=replay["k"],
+            batch_size=replay["batch_size"],
+            probe_tokens=replay["probe_tokens"],
+            sample_sizes={key: value for key, value in replay.items() if key.endswith("_pivots")},
+        )

@@ -20,8 +20,9 @@ import pytest
 from helpers import PACKAGES, TINY, TINY_MODEL_DIR, TINY_ON_SMOLLM2, built_once, clone_run, seed_model, snakemake
 from tinymodel import save_tiny_chat_model
 
+from replaynoise.data.models import prepared_model_key
+from replaynoise.data.preparation import prepare_model
 from replaynoise.io import sha256_file
-from replaynoise.models import prepare_model, prepared_model_key
 
 #: Fixtures that make a test slow: the packaged models (a GGUF conversion of about a minute, then a real model's
 #: compute), and the workflow runs that take minutes beyond the shared tiny run.
@@ -51,8 +52,11 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Iterator[Path]:
     """SmolLM2-135M-Instruct dequantized to bf16 safetensors, through the same code as the prepare_model rule."""
-    out = built_once(tmp_path_factory, "models/smollm2-135m-bfloat16",
-                     lambda out: prepare_model("smollm2-135m", "bfloat16", out, PACKAGES))
+    out = built_once(
+        tmp_path_factory,
+        "models/smollm2-135m-bfloat16",
+        lambda out: prepare_model("smollm2-135m", "bfloat16", out, PACKAGES),
+    )
     yield from _unchanged(out)
 
 
@@ -74,8 +78,11 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def tiny_prepared(tiny_model, tmp_path_factory) -> Iterator[Path]:
     """The tiny model as the prepare_model rule leaves it, in a directory named by its model key."""
-    out = built_once(tmp_path_factory, f"models/{prepared_model_key(str(tiny_model), 'float32')}",
-                     lambda out: prepare_model(str(tiny_model), "float32", out, PACKAGES))
+    out = built_once(
+        tmp_path_factory,
+        f"models/{prepared_model_key(str(tiny_model), 'float32')}",
+        lambda out: prepare_model(str(tiny_model), "float32", out, PACKAGES),
+    )
     yield from _unchanged(out)
 
 
@@ -92,6 +99,7 @@ def _run(model_dir: Path, config: dict) -> Callable[[Path], None]:
     def run(workdir: Path) -> None:
         seed_model(workdir, model_dir)
         snakemake(workdir, config)
+
     return run
 
 

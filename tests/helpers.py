@@ -13,12 +13,17 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 from filelock import FileLock
 
 from replaynoise.config import validate_config
+from replaynoise.engines.hf.engine import HFEngine, HFOptions
+from replaynoise.generation.replay import PassJob
+from replaynoise.generation.rollouts import RolloutJob
+from replaynoise.settings import AnalysisSettings, PromptSettings, ReplaySettings, RolloutSettings
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = REPO / "resources" / "packages"  # pip-downloaded wheels, shared with the workflow's cache
@@ -27,8 +32,11 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
 #: The tiny random model the workflow's mechanics run on (tests/tinymodel.py, ``close``): made once per machine
 #: and kept, at a path named by the code that makes it, so every run of a session (and of the next) sees one
 #: path, hence one model key.
-TINY_MODEL_DIR = (Path(tempfile.gettempdir()) / f"replaynoise-tests-{os.getuid()}" /
-                  f"tiny-close-{hashlib.sha256((REPO / 'tests' / 'tinymodel.py').read_bytes()).hexdigest()[:12]}")
+TINY_MODEL_DIR = (
+    Path(tempfile.gettempdir())
+    / f"replaynoise-tests-{os.getuid()}"
+    / f"tiny-close-{hashlib.sha256((REPO / 'tests' / 'tinymodel.py').read_bytes()).hexdigest()[:12]}"
+)
 
 #: The workflow on a tiny configuration, shared by the workflow, interruption, sharding and bad-input tests.
 TINY = {
@@ -39,8 +47,13 @@ TINY = {
     # one problem per batch: the kill tests land between a shard's batches; one trunk a problem, every problem kept
     "rollouts": {"batch_size": 1, "per_problem": 1, "screen": {"rule": "none"}},
     "pivots": {"max_margin": 0.3, "per_rollout": 2},
-    "replay": {"k": 2, "max_new_tokens": 12, "batch_size": 4, "probe_tokens": 32,
-               "passes": ["exact", "replica", "refeed", "selector"]},
+    "replay": {
+        "k": 2,
+        "max_new_tokens": 12,
+        "batch_size": 4,
+        "probe_tokens": 32,
+        "passes": ["exact", "replica", "refeed", "selector"],
+    },
     "analysis": {"n_boot": 50, "min_eligible": 1},
     # two shards (of about two batches each): every tiny run scatters and gathers; one thread a model job, so that
     # two of them run at once on two cores
@@ -50,17 +63,24 @@ TINY = {
 #: One pass's path through the tiny run (rollouts, pivots, the exact pass, its credit): the target the everyday
 #: tier's kill and shard tests rerun, and the files they compare with the uninterrupted run's.
 EXACT_PATH = "results/credit/tiny/exact.parquet"
-EXACT_PATH_FILES = ["rollouts/tiny/rollouts.parquet", "pivots/tiny.parquet", "passes/tiny/exact.parquet",
-                    "credit/tiny/exact.parquet"]
+EXACT_PATH_FILES = [
+    "rollouts/tiny/rollouts.parquet",
+    "pivots/tiny.parquet",
+    "passes/tiny/exact.parquet",
+    "credit/tiny/exact.parquet",
+]
 
 #: The same configuration on the packaged SmolLM2 (30 layers, bf16), for the claims about a real model's numbers
 #: (its text, its first steps and KV, its prefix mismatch), with no more model work than they read: the paper's
 #: three passes, continuations of six tokens, and one shard a step (the tiny run scatters and gathers, and a shard
 #: changes no result: tests/test_sharding.py).
 SMOLLM2 = {"model": "smollm2-135m", "dtype": "bfloat16", "max_new_tokens": 24, "cpu_threads": 1}
-TINY_ON_SMOLLM2 = {**TINY, "configs": {"tiny": SMOLLM2},
-                   "replay": {**TINY["replay"], "max_new_tokens": 6, "passes": ["exact", "replica", "refeed"]},
-                   "resources": {**TINY["resources"], "shard_size": TINY["dataset"]["n_problems"]}}
+TINY_ON_SMOLLM2 = {
+    **TINY,
+    "configs": {"tiny": SMOLLM2},
+    "replay": {**TINY["replay"], "max_new_tokens": 6, "passes": ["exact", "replica", "refeed"]},
+    "resources": {**TINY["resources"], "shard_size": TINY["dataset"]["n_problems"]},
+}
 SMOLLM2_KEY = "smollm2-135m-bfloat16"
 
 
@@ -68,8 +88,17 @@ def snakemake_command(workdir: Path, config: dict, *args: str) -> list[str]:
     """The command line for ``config`` (written beside the results) in ``workdir``, the committed config ignored."""
     cfg = workdir / "test-config.yaml"
     cfg.write_text(yaml.safe_dump(config))
-    return [*SNAKEMAKE, "--directory", str(workdir), "--cores", "2", "--configfile", str(cfg),
-            "--replace-workflow-config", *args]
+    return [
+        *SNAKEMAKE,
+        "--directory",
+        str(workdir),
+        "--cores",
+        "2",
+        "--configfile",
+        str(cfg),
+        "--replace-workflow-config",
+        *args,
+    ]
 
 
 def snakemake(workdir: Path, config: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -103,6 +132,7 @@ def copy_linking(src: Path, dest: Path, link: Callable[[Path], bool], **copytree
     system refuses a link). Model weights are linked: no step writes into them (a rebuild replaces the directory
     by a rename, which leaves other links alone), and at about 270 MB a copy they filled CI's disk. Whatever a
     test may change in place must be copied, so the tree it came from stays as it was."""
+
     def link_or_copy(s: str, d: str) -> None:
         if link(Path(d).relative_to(dest)):
             with contextlib.suppress(OSError):
@@ -160,3 +190,64 @@ def configuration(**given) -> dict:
     """One configuration's settings as the workflow validates them (every default filled), for an engine built
     outside a run: ``make_engine`` reads validated settings and has no defaults of its own."""
     return validate_config({"configs": {"c": {"model": "smollm2-135m", **given}}})["configs"]["c"]
+
+
+def analysis_settings(**given) -> AnalysisSettings:
+    """The embedded default's analysis settings (the schema's, seed 0), some replaced by ``given``: the library's
+    comparison takes them whole, with no defaults of its own."""
+    config = validate_config({"configs": {"c": {"model": "smollm2-135m"}}})
+    return replace(AnalysisSettings.of(config["analysis"], 0), **given)
+
+
+def rollout_job(
+    config_name: str,
+    seed: int,
+    sampling,
+    rules,
+    *,
+    style: str = "chat",
+    instruction: str = "Answer in one short sentence that ends with the number.",
+    shots=(),
+    per_problem: int = 1,
+    batch_size: int = 1,
+    long_prompts: str = "refuse",
+) -> RolloutJob:
+    """A rollout step's job as a test states it: the prompt and batching it does not name are the tests' usual."""
+    return RolloutJob(
+        config_name=config_name,
+        seed=seed,
+        sampling=sampling,
+        prompt=PromptSettings(style=style, instruction=instruction, shots=tuple(shots)),
+        rollouts=RolloutSettings(per_problem=per_problem, batch_size=batch_size, long_prompts=long_prompts),
+        rules=rules,
+    )
+
+
+def hf_engine(model, tokenizer, **given) -> HFEngine:
+    """An HF engine as the tests build one around a model of their own: stock kernels, top-5, the decode mode
+    the device picks, float32 CPU matmuls, unless ``given`` says otherwise."""
+    options = {"kernels": "stock", "topk": 5, "decode": "auto", "cpu_matmul": "fp32"} | given
+    if "stop_ids" in options:
+        options["stop_ids"] = frozenset(options["stop_ids"])
+    return HFEngine(model, tokenizer, HFOptions(**options))
+
+
+def pass_job(
+    pass_name: str,
+    config_name: str,
+    seed: int,
+    sampling,
+    *,
+    k: int,
+    batch_size: int,
+    probe_tokens: int = 0,
+    sample_sizes: dict | None = None,
+) -> PassJob:
+    """A pass's job as a test states it: no probes and no sample sizes unless it names them."""
+    return PassJob(
+        pass_name=pass_name,
+        config_name=config_name,
+        seed=seed,
+        sampling=sampling,
+        replay=ReplaySettings(k=k, batch_size=batch_size, probe_tokens=probe_tokens, sample_sizes=sample_sizes or {}),
+    )

@@ -7,15 +7,15 @@ import json
 import numpy as np
 import polars as pl
 import pytest
+from helpers import analysis_settings
 from scipy import stats
 
-from replaynoise.analysis import compare_passes, too_few_note
-from replaynoise.channels import assert_all_identical, channel_agreement, lists_bitwise_equal
-from replaynoise.conditionings import CONDITIONINGS, wide_frame
-from replaynoise.credit import CREDIT_COLUMNS, compute_credit
-from replaynoise.disagreement import disagree
-from replaynoise.pooling import POOLED_PROBE_REASON, pool_credit, pooled_comparison
-from replaynoise.stats import (
+from replaynoise.analysis.channels import assert_all_identical, channel_agreement, lists_bitwise_equal
+from replaynoise.analysis.comparison import compare_passes, too_few_note
+from replaynoise.analysis.conditionings import CONDITIONINGS, wide_frame
+from replaynoise.analysis.credit import CREDIT_COLUMNS, compute_credit
+from replaynoise.analysis.disagreement import disagree
+from replaynoise.analysis.paper_stats import (
     Clusters,
     classify_changes,
     cluster_ols_mean,
@@ -26,11 +26,11 @@ from replaynoise.stats import (
     mcnemar_z,
     mean_zero_unclustered,
     per_problem_t,
-    probe_deltas,
-    probe_summary,
     selection_at,
 )
-from replaynoise.tables import headline_rows
+from replaynoise.analysis.pooling import POOLED_PROBE_REASON, pool_credit, pooled_comparison
+from replaynoise.analysis.probes import probe_deltas, probe_summary
+from replaynoise.report.headline import headline_rows
 
 K = 4
 
@@ -41,10 +41,25 @@ def credit_frame(pass_name: str, entries: list[tuple], k: int = K) -> pl.DataFra
     for e in entries:
         pid, prob, n_o, n_s = e[:4]
         eligible = e[4] if len(e) > 4 else True
-        rows.append({"pivot_id": pid, "problem_id": prob, "pass_name": pass_name, "t": 1, "margin": 0.1,
-                     "prefix_len": 10, "rollout_correct": True, "k": k, "n_orig_correct": n_o,
-                     "n_sub_correct": n_s, "n_rows": 2 * k, "n_finished": 2 * k if eligible else 2 * k - 1,
-                     "verified": True, "eligible": eligible, "a_hat": (n_o - n_s) / k})
+        rows.append(
+            {
+                "pivot_id": pid,
+                "problem_id": prob,
+                "pass_name": pass_name,
+                "t": 1,
+                "margin": 0.1,
+                "prefix_len": 10,
+                "rollout_correct": True,
+                "k": k,
+                "n_orig_correct": n_o,
+                "n_sub_correct": n_s,
+                "n_rows": 2 * k,
+                "n_finished": 2 * k if eligible else 2 * k - 1,
+                "verified": True,
+                "eligible": eligible,
+                "a_hat": (n_o - n_s) / k,
+            }
+        )
     return pl.DataFrame(rows).select(CREDIT_COLUMNS)
 
 
@@ -66,16 +81,19 @@ PASS_INDEX = {"exact": 2, "replica": 3, "refeed": 4, "selector": 5}
 
 def case_credit(passes=("exact", "replica", "refeed", "selector"), ineligible=None) -> dict[str, pl.DataFrame]:
     ineligible = ineligible or {}
-    return {p: credit_frame(p, [(row[0], row[1], *row[PASS_INDEX[p]], row[0] not in ineligible.get(p, ()))
-                                for row in CASE]) for p in passes}
+    return {
+        p: credit_frame(p, [(row[0], row[1], *row[PASS_INDEX[p]], row[0] not in ineligible.get(p, ())) for row in CASE])
+        for p in passes
+    }
 
 
-def run(credit, **kw) -> dict:
-    args = {"theta": 0.5, "theta_sweep": None, "n_boot": 200, "seed": 7, "min_eligible": 1} | kw
-    return compare_passes(credit, **args)
+def run(credit, probes=None, probe_reason=None, **kw) -> dict:
+    settings = analysis_settings(**({"n_boot": 200, "seed": 7, "min_eligible": 1} | kw))
+    return compare_passes(credit, settings, probes=probes, probe_reason=probe_reason)
 
 
 # ---------------------------------------------------------------------------------------------- estimates
+
 
 def test_disagreement_excess_kinds_and_selection_by_hand() -> None:
     """Our definitions: value metric, informative conditioning (exact-pass counts not both 0/K or K/K)."""
@@ -152,8 +170,10 @@ def test_paper_conditionings_main_and_treatment_independent() -> None:
     assert row["metric"] == "sign" and row["ti_excess_pp"] == pytest.approx(40.0)
     # the TI excess travels with its interval and per-problem t, on every row of the configuration
     ti_sign = ti["by_metric"]["sign"]
-    assert (row["ti_excess_pp_ci_lo"], row["ti_excess_pp_ci_hi"]) == (ti_sign["excess_pp"]["ci_lo"],
-                                                                      ti_sign["excess_pp"]["ci_hi"])
+    assert (row["ti_excess_pp_ci_lo"], row["ti_excess_pp_ci_hi"]) == (
+        ti_sign["excess_pp"]["ci_lo"],
+        ti_sign["excess_pp"]["ci_hi"],
+    )
     assert row["ti_excess_pp_ci_lo"] < 40.0 < row["ti_excess_pp_ci_hi"]
     assert row["ti_t_per_problem"] == ti_sign["per_problem_t"]["t"] is not None
     assert row["refeed_polarity_share"] == pytest.approx(1 / 7) and row["floor_polarity_share"] == 0.0
@@ -216,18 +236,19 @@ def test_mcnemar_on_a_known_case() -> None:
 
 def test_mean_zero_unclustered_margin_split_and_sources() -> None:
     d = np.array([-0.25, 0.25, 0.0, 1.0, 0.0, 0.25, 0.25])
-    out = mean_zero_unclustered(d)
+    out = mean_zero_unclustered(d, 0.95)
     se = d.std(ddof=1) / np.sqrt(d.size)
     assert out["mean"] == pytest.approx(d.mean()) and out["se"] == pytest.approx(se)
     assert out["t"] == pytest.approx(d.mean() / se)
     assert (out["ci_lo"], out["ci_hi"]) == (pytest.approx(d.mean() - 1.96 * se), pytest.approx(d.mean() + 1.96 * se))
     assert mean_zero_unclustered(d, ci=0.9)["ci_hi"] == pytest.approx(d.mean() + stats.norm.ppf(0.95) * se)
-    assert mean_zero_unclustered(np.zeros(3))["t"] is None
+    assert mean_zero_unclustered(np.zeros(3), 0.95)["t"] is None
     main = run(case_credit())["conditionings"]["main"]
     assert main["mean_diff"]["unclustered"]["mean"] == pytest.approx(d.mean())
 
-    split = margin_split(np.array([0.1, 0.2, 0.3, 0.5]), np.array([1, 0, 1, 1], bool), np.array([0, 0, 1, 0], bool),
-                         0.3)
+    split = margin_split(
+        np.array([0.1, 0.2, 0.3, 0.5]), np.array([1, 0, 1, 1], bool), np.array([0, 0, 1, 0], bool), 0.3
+    )
     assert split["below"] == {"n": 2, "refeed": 0.5, "floor": 0.0, "excess_pp": 50.0}
     assert split["at_or_above"]["n"] == 2 and split["at_or_above"]["floor"] == 0.5
     assert main["margin_split"]["below"]["n"] == 7 and main["margin_split"]["at_or_above"]["n"] == 0
@@ -246,9 +267,12 @@ def test_selector_without_selector_pass_says_why() -> None:
 
 
 def test_informative_without_counts_is_unavailable_not_a_crash() -> None:
-    credit = {p: df.with_columns(pl.lit(None, dtype=pl.Int64).alias("n_orig_correct"),
-                                 pl.lit(None, dtype=pl.Int64).alias("n_sub_correct"))
-              for p, df in case_credit().items()}
+    credit = {
+        p: df.with_columns(
+            pl.lit(None, dtype=pl.Int64).alias("n_orig_correct"), pl.lit(None, dtype=pl.Int64).alias("n_sub_correct")
+        )
+        for p, df in case_credit().items()
+    }
     res = run(credit)
     for cond in ("informative", "selector"):
         block = res["conditionings"][cond]
@@ -267,16 +291,21 @@ def test_too_few_eligible_pivots_nulls_every_number() -> None:
     res = run(case_credit(), min_eligible=10)
     main = res["conditionings"]["main"]
     # 7 eligible pivots from 4 problems: 1.75 a problem, so 2 more problems reach 10 (a small run says so)
-    assert main["note"] == ("too few eligible pivots (n=7 < min_eligible=10); at 1.75 eligible pivots per problem "
-                            "with pivots, about 2 more such problems would reach it (dataset.n_problems, or "
-                            "rollouts.per_problem / pivots.per_rollout)")
+    assert main["note"] == (
+        "too few eligible pivots (n=7 < min_eligible=10); at 1.75 eligible pivots per problem "
+        "with pivots, about 2 more such problems would reach it (dataset.n_problems, or "
+        "rollouts.per_problem / pivots.per_rollout)"
+    )
     assert main["n"] == 7 and main["n_problems"] == 4
     assert main["disagreement"]["exact_vs_refeed"]["estimate"] is None
     assert main["disagreement"]["exact_vs_refeed"]["n_disagree"] is None
     assert main["excess_pp"] == {"estimate": None, "ci_lo": None, "ci_hi": None}
     assert main["clustered_t"]["t"] is None and main["clustered_t"]["se"] is None
-    assert main["kinds_of_change"]["exact_vs_refeed"]["zero_crossing"] == {"count": None, "share": None,
-                                                                           "share_of_n": None}
+    assert main["kinds_of_change"]["exact_vs_refeed"]["zero_crossing"] == {
+        "count": None,
+        "share": None,
+        "share_of_n": None,
+    }
     assert main["selection"]["at_theta"]["theta"] == 0.5
     assert main["selection"]["at_theta"]["jaccard_refeed"]["estimate"] is None
 
@@ -290,8 +319,7 @@ def test_too_few_eligible_pivots_nulls_every_number() -> None:
         elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
             yield path
 
-    assert sorted(set(numbers(main))) == [".n", ".n_problems", ".selection.at_theta.theta",
-                                          ".selection.sweep.theta"]
+    assert sorted(set(numbers(main))) == [".n", ".n_problems", ".selection.at_theta.theta", ".selection.sweep.theta"]
 
 
 def test_other_passes_are_compared_against_exact_and_refeed() -> None:
@@ -299,7 +327,8 @@ def test_other_passes_are_compared_against_exact_and_refeed() -> None:
     # refeed_text equals refeed except on p1 (where it equals exact); ineligible on p7
     credit["refeed_text"] = credit["refeed"].with_columns(
         pl.when(pl.col("pivot_id") == "p1").then(0.5).otherwise(pl.col("a_hat")).alias("a_hat"),
-        (pl.col("pivot_id") != "p7").alias("eligible"))
+        (pl.col("pivot_id") != "p7").alias("eligible"),
+    )
     other = run(credit, metric="value")["conditionings"]["informative"]["other_passes"]["refeed_text"]
     assert other["n"] == 6
     assert other["vs_exact"]["estimate"] == pytest.approx(3 / 6)
@@ -328,6 +357,7 @@ def test_inconsistent_inputs_are_refused() -> None:
 
 # --------------------------------------------------------------------------------------------- primitives
 
+
 def test_cluster_robust_se_matches_the_sandwich_formula() -> None:
     rng = np.random.default_rng(3)
     groups = np.repeat(np.arange(9), rng.integers(1, 6, size=9))
@@ -348,12 +378,12 @@ def test_cluster_robust_se_matches_the_sandwich_formula() -> None:
 
 
 def test_cluster_ols_degenerate_cases_say_why() -> None:
-    flat = cluster_ols_mean(np.zeros(6), np.array([0, 0, 1, 1, 2, 2]))
+    flat = cluster_ols_mean(np.zeros(6), np.array([0, 0, 1, 1, 2, 2]), 0.95)
     assert flat["coef"] == 0.0 and flat["se"] == 0.0 and flat["t"] is None and flat["p"] is None
     assert "SE is 0" in flat["reason"]
-    one = cluster_ols_mean(np.array([0.0, 1.0]), np.array(["a", "a"]))
+    one = cluster_ols_mean(np.array([0.0, 1.0]), np.array(["a", "a"]), 0.95)
     assert one["coef"] == 0.5 and one["se"] is None and "fewer than 2 clusters" in one["reason"]
-    empty = cluster_ols_mean(np.array([]), np.array([]))
+    empty = cluster_ols_mean(np.array([]), np.array([]), 0.95)
     assert empty["coef"] is None and empty["reason"] == "no observations"
 
 
@@ -377,11 +407,11 @@ def test_classification_of_changes() -> None:
     assert (out["zero_crossing"]["count"], out["reversal"]["count"], out["magnitude"]["count"]) == (2, 1, 2)
     assert out["reversal"]["share"] == 0.2 and out["reversal"]["share_of_n"] == pytest.approx(1 / 7)
     # under the sign metric the two same-sign magnitude changes are agreements
-    sign = classify_changes(a, b)
+    sign = classify_changes(a, b, "sign")
     assert sign["metric"] == "sign" and sign["n_changed"] == 3
     assert (sign["zero_crossing"]["count"], sign["reversal"]["count"], sign["magnitude"]["count"]) == (2, 1, 0)
     assert sign["zero_crossing"]["share_of_n"] == pytest.approx(2 / 7)
-    same = classify_changes(a, a)
+    same = classify_changes(a, a, "sign")
     assert same["n_changed"] == 0 and same["zero_crossing"]["share"] is None and "reason" in same
 
 
@@ -414,12 +444,15 @@ def test_compare_passes_is_deterministic_given_the_seed() -> None:
     first, second = run(credit, n_boot=300, seed=1), run(credit, n_boot=300, seed=1)
     assert first == second
     other = run(credit, n_boot=300, seed=2)
-    assert other["conditionings"]["main"]["excess_pp"]["estimate"] == first["conditionings"]["main"]["excess_pp"][
-        "estimate"]
+    assert (
+        other["conditionings"]["main"]["excess_pp"]["estimate"]
+        == first["conditionings"]["main"]["excess_pp"]["estimate"]
+    )
     assert other["conditionings"]["main"]["excess_pp"] != first["conditionings"]["main"]["excess_pp"]
 
 
 # ------------------------------------------------------------------------------------------------ pooling
+
 
 def test_pooled_clusters_are_config_qualified_problems() -> None:
     per_config = {"cfgA": case_credit(), "cfgB": case_credit(passes=("exact", "replica", "refeed"))}
@@ -440,7 +473,7 @@ def test_pooled_clusters_are_config_qualified_problems() -> None:
     assert row["t"] == main["clustered_t"]["t"] and row["mean_diff"] == main["mean_diff"]["cluster"]["coef"]
 
 
-ANALYSIS = {"theta": 0.5, "n_boot": 200, "min_eligible": 1, "ci": 0.95, "metric": "sign", "margin_split": 0.3}
+ANALYSIS = analysis_settings(n_boot=200, min_eligible=1, seed=7)
 
 
 def test_pooling_keeps_one_engine_kernels_and_model_and_pools_none_across_them() -> None:
@@ -449,14 +482,19 @@ def test_pooling_keeps_one_engine_kernels_and_model_and_pools_none_across_them()
     per_config = {"cfgA": case_credit(), "cfgB": case_credit(passes=("exact", "replica", "refeed"))}
     one = {"engine": "hf", "kernels": "stock", "model": "smollm2-135m", "dtype": "bfloat16", "train": "untrained"}
     alike = {"cfgA": one, "cfgB": {**one, "temperature": 1.0}}
-    pooled = pooled_comparison(per_config, alike, ANALYSIS, 7, "h")
+    pooled = pooled_comparison(per_config, alike, ANALYSIS, "h")
     expected = run(pool_credit(per_config), n_boot=200, seed=7, probe_reason=POOLED_PROBE_REASON)
     assert pooled == {**expected, "config": "pooled", "configs": ["cfgA", "cfgB"], "analysis_hash": "h"}
     assert pooled["conditionings"]["main"]["n"] == 14
-    for key, other in (("kernels", "invariant"), ("engine", "vllm"), ("model", "qwen2.5-coder-0.5b"),
-                       ("dtype", "float16"), ("train", "grpo-1234abcd")):
+    for key, other in (
+        ("kernels", "invariant"),
+        ("engine", "vllm"),
+        ("model", "qwen2.5-coder-0.5b"),
+        ("dtype", "float16"),
+        ("train", "grpo-1234abcd"),
+    ):
         mixed = {**alike, "cfgB": {**alike["cfgB"], key: other}}
-        result = pooled_comparison(per_config, mixed, ANALYSIS, 7, "h")
+        result = pooled_comparison(per_config, mixed, ANALYSIS, "h")
         assert result["configs"] == ["cfgA", "cfgB"] and result["analysis_hash"] == "h"
         groups = result["not_pooled"]["groups"]
         assert sorted((g["configs"], g[key]) for g in groups) == [(["cfgA"], alike["cfgA"][key]), (["cfgB"], other)]
@@ -467,16 +505,31 @@ def test_pooling_keeps_one_engine_kernels_and_model_and_pools_none_across_them()
         assert rows["n"].null_count() == rows.height and rows["excess_pp"].null_count() == rows.height
         assert all("not pooled" in note for note in rows["note"].to_list())
     with pytest.raises(ValueError, match="settings for"):
-        pooled_comparison(per_config, {"cfgA": alike["cfgA"]}, ANALYSIS, 7, "h")
+        pooled_comparison(per_config, {"cfgA": alike["cfgA"]}, ANALYSIS, "h")
 
 
 # --------------------------------------------------------------------------------------- channel agreement
 
+
 def _rows(pivot: str, n_o: int, n_s: int) -> list[dict]:
-    return [{"pivot_id": pivot, "problem_id": "P", "branch": br, "k": j, "token_ids": [7, j],
-             "answer": str(j), "correct": j < n, "finish_reason": "eos", "n_tokens": 2, "verified": True,
-             "next_topk_ids": [3, 4], "next_topk_logprobs": [-0.5, -1.0]}
-            for br, n in (("orig", n_o), ("sub", n_s)) for j in range(K)]
+    return [
+        {
+            "pivot_id": pivot,
+            "problem_id": "P",
+            "branch": br,
+            "k": j,
+            "token_ids": [7, j],
+            "answer": str(j),
+            "correct": j < n,
+            "finish_reason": "eos",
+            "n_tokens": 2,
+            "verified": True,
+            "next_topk_ids": [3, 4],
+            "next_topk_logprobs": [-0.5, -1.0],
+        }
+        for br, n in (("orig", n_o), ("sub", n_s))
+        for j in range(K)
+    ]
 
 
 def _edit(rows: list[dict], pivot: str, branch: str, k: int, **changes) -> None:
@@ -484,8 +537,16 @@ def _edit(rows: list[dict], pivot: str, branch: str, k: int, **changes) -> None:
 
 
 def test_channel_agreement_shares_and_invariant_assertion() -> None:
-    pivots = pl.DataFrame({"pivot_id": ["a", "b"], "problem_id": ["P", "P"], "t": [1, 2], "margin": [0.1, 0.1],
-                           "rollout_correct": [True, True], "prefix_len": [5, 6]})
+    pivots = pl.DataFrame(
+        {
+            "pivot_id": ["a", "b"],
+            "problem_id": ["P", "P"],
+            "t": [1, 2],
+            "margin": [0.1, 0.1],
+            "rollout_correct": [True, True],
+            "prefix_len": [5, 6],
+        }
+    )
     base = _rows("a", 2, 1) + _rows("b", 2, 2)
     _edit(base, "a", "orig", 1, next_topk_logprobs=[0.0, -1.0])
     _edit(base, "a", "sub", 2, answer=None)
@@ -494,13 +555,17 @@ def test_channel_agreement_shares_and_invariant_assertion() -> None:
     _edit(other, "a", "orig", 1, next_topk_logprobs=[-0.0, -1.0])  # equal as numbers, not as bits
     _edit(other, "b", "orig", 0, answer="8")
     other = [r for r in other if (r["pivot_id"], r["branch"], r["k"]) != ("b", "sub", 3)]
-    frames = {name: pl.DataFrame(rows, schema_overrides={"answer": pl.String})
-              for name, rows in (("exact", base), ("replica", base), ("refeed", other))}
-    credit = {n: compute_credit(f, pivots, K, n) for n, f in frames.items()}
+    frames = {
+        name: pl.DataFrame(rows, schema_overrides={"answer": pl.String})
+        for name, rows in (("exact", base), ("replica", base), ("refeed", other))
+    }
+    credit = {n: compute_credit(f, pivots, K, n, "graded") for n, f in frames.items()}
     agreement = channel_agreement(frames, credit)
     assert agreement.columns == ["pass_a", "pass_b", "channel", "n", "share_identical"]
-    got = {(r["pass_a"], r["pass_b"], r["channel"]): (r["n"], r["share_identical"])
-           for r in agreement.iter_rows(named=True)}
+    got = {
+        (r["pass_a"], r["pass_b"], r["channel"]): (r["n"], r["share_identical"])
+        for r in agreement.iter_rows(named=True)
+    }
     assert got[("exact", "refeed", "rows_present")] == (16, 15 / 16)
     assert got[("exact", "refeed", "token_ids")] == (15, 14 / 15)
     assert got[("exact", "refeed", "answer")] == (15, 14 / 15)  # the shared null answer counts as identical
@@ -520,8 +585,15 @@ def test_channel_agreement_shares_and_invariant_assertion() -> None:
     with pytest.raises(AssertionError, match="nothing"):
         assert_all_identical(agreement.head(0))
     # a fresh-seed pass (selector) draws other noise by design: its differences are not an invariance failure
-    fresh = pl.DataFrame({"pass_a": ["exact", "exact"], "pass_b": ["replica", "selector"],
-                          "channel": ["token_ids", "token_ids"], "n": [8, 8], "share_identical": [1.0, 0.25]})
+    fresh = pl.DataFrame(
+        {
+            "pass_a": ["exact", "exact"],
+            "pass_b": ["replica", "selector"],
+            "channel": ["token_ids", "token_ids"],
+            "n": [8, 8],
+            "share_identical": [1.0, 0.25],
+        }
+    )
     assert_all_identical(fresh)
     with pytest.raises(AssertionError, match="nothing"):
         assert_all_identical(fresh.tail(1))
@@ -561,7 +633,8 @@ def test_no_eligible_pivots_at_all() -> None:
             assert block["clustered_t"]["coef"] is None
         json.dumps(res)
     assert res["conditionings"]["main"]["note"].startswith(
-        "too few eligible pivots (n=0 < min_eligible=5); none at all here: raise dataset.n_problems")
+        "too few eligible pivots (n=0 < min_eligible=5); none at all here: raise dataset.n_problems"
+    )
 
 
 def test_channel_agreement_refuses_duplicated_rows() -> None:
@@ -573,8 +646,10 @@ def test_channel_agreement_refuses_duplicated_rows() -> None:
 
 # ------------------------------------------------------------------------------------------- probe channel
 
-def _probe_pass(rows: list[dict], logprob: dict | None = None, ids: dict | None = None, drop: bool = False,
-                null: bool = False) -> pl.DataFrame:
+
+def _probe_pass(
+    rows: list[dict], logprob: dict | None = None, ids: dict | None = None, drop: bool = False, null: bool = False
+) -> pl.DataFrame:
     """A pass frame with probe columns on the k == 0 rows (overrides by (pivot, branch)), null elsewhere."""
     out = []
     for r in rows:
@@ -584,8 +659,9 @@ def _probe_pass(rows: list[dict], logprob: dict | None = None, ids: dict | None 
         r["probe_ids"] = (ids or {}).get(key, [5, 6, 7]) if first else None
         r["probe_logprob"] = (logprob or {}).get(key, -0.5) if first else None
         out.append(r)
-    frame = pl.DataFrame(out, schema_overrides={"answer": pl.String, "probe_ids": pl.List(pl.Int64),
-                                                "probe_logprob": pl.Float64})
+    frame = pl.DataFrame(
+        out, schema_overrides={"answer": pl.String, "probe_ids": pl.List(pl.Int64), "probe_logprob": pl.Float64}
+    )
     return frame.drop("probe_ids", "probe_logprob") if drop else frame
 
 
@@ -593,9 +669,10 @@ def test_probe_channel_bit_exact_p90_and_divergence() -> None:
     base = [r for p in ("a", "b", "c", "d") for r in _rows(p, 2, 1)]
     passes = {
         "exact": _probe_pass(base),
-        "replica": _probe_pass(base, logprob={("b", "sub"): -0.5 + 2 ** -10}),
-        "refeed": _probe_pass(base, logprob={("a", "orig"): -0.75, ("c", "sub"): -0.625},
-                              ids={("a", "sub"): [5, 6, 8]}),
+        "replica": _probe_pass(base, logprob={("b", "sub"): -0.5 + 2**-10}),
+        "refeed": _probe_pass(
+            base, logprob={("a", "orig"): -0.75, ("c", "sub"): -0.625}, ids={("a", "sub"): [5, 6, 8]}
+        ),
         "selector": _probe_pass(base, drop=True),
         "replica_fresh": _probe_pass(base, null=True),
     }

@@ -36,12 +36,16 @@ def assert_nothing_half_written(workdir: Path) -> None:
 # Refused at parse time, before any job
 # ----------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("setting, value, names", [
-    ("replay.k", 0, ["replay.k", "minimum of 1"]),
-    ("replay.passes", ["exact", "replica", "refeed", "refeeed"], ["replay.passes", "'refeeed' is not allowed"]),
-    ("configs", {"../outside": TINY["configs"]["tiny"]}, ["configs", "../outside"]),
-    ("configs", {"/tmp/outside": TINY["configs"]["tiny"]}, ["configs", "/tmp/outside"]),
-])
+
+@pytest.mark.parametrize(
+    "setting, value, names",
+    [
+        ("replay.k", 0, ["replay.k", "minimum of 1"]),
+        ("replay.passes", ["exact", "replica", "refeed", "refeeed"], ["replay.passes", "'refeeed' is not allowed"]),
+        ("configs", {"../outside": TINY["configs"]["tiny"]}, ["configs", "../outside"]),
+        ("configs", {"/tmp/outside": TINY["configs"]["tiny"]}, ["configs", "/tmp/outside"]),
+    ],
+)
 def test_bad_setting_is_refused_before_any_job(tmp_path, setting, value, names):
     proc = snakemake(tmp_path, with_setting(TINY, setting, value), check=False)
     assert_failed_naming(proc, "invalid configuration", *names)
@@ -76,8 +80,14 @@ def test_distinct_local_models_never_share_a_prepared_model(tmp_path, tiny_model
         for p in tiny_model.iterdir():
             (model / p.name).symlink_to(p)
         models.append(model)
-    config = with_setting(TINY, "configs", {"a": {**TINY["configs"]["tiny"], "model": str(models[0])},
-                                            "b": {**TINY["configs"]["tiny"], "model": str(models[1])}})
+    config = with_setting(
+        TINY,
+        "configs",
+        {
+            "a": {**TINY["configs"]["tiny"], "model": str(models[0])},
+            "b": {**TINY["configs"]["tiny"], "model": str(models[1])},
+        },
+    )
     work = tmp_path / "work"
     work.mkdir()
     proc = snakemake(work, config, "-n")
@@ -109,7 +119,7 @@ def test_edited_dataset_file_reruns_the_sampling_step(tmp_path, tiny_prepared):
 def test_every_output_of_the_workflow_lies_under_results(tmp_path):
     proc = snakemake(tmp_path, TINY, "--dry-run", "--detailed-summary")
     outputs = [line.split("\t")[0] for line in proc.stdout.splitlines() if "\t" in line]
-    outputs = outputs[outputs.index("output_file") + 1:]  # the table after its header row
+    outputs = outputs[outputs.index("output_file") + 1 :]  # the table after its header row
     assert len(outputs) > 20
     outside = [o for o in outputs if not (o == "results" or o.startswith("results/")) or ".." in Path(o).parts]
     assert not outside, outside
@@ -125,13 +135,21 @@ def test_a_target_outside_results_is_refused(tmp_path):
 # Bad problem files: the sampling step fails, naming the file (and the line)
 # ----------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("content, names", [
-    ('{"id": "a", "question": "1+1?", "answer": "2"}\n{"id": "b", "question": "2+2?", "answer": \n',
-     ["problems.jsonl:2", "not valid JSON"]),
-    ('{"id": "a", "question": "1+1?", "answer": "2"}\n{"id": "b", "question": "2+2?"}\n',
-     ["problems.jsonl:2", "missing field 'answer'"]),
-    ("", ["problems.jsonl: no problems"]),
-])
+
+@pytest.mark.parametrize(
+    "content, names",
+    [
+        (
+            '{"id": "a", "question": "1+1?", "answer": "2"}\n{"id": "b", "question": "2+2?", "answer": \n',
+            ["problems.jsonl:2", "not valid JSON"],
+        ),
+        (
+            '{"id": "a", "question": "1+1?", "answer": "2"}\n{"id": "b", "question": "2+2?"}\n',
+            ["problems.jsonl:2", "missing field 'answer'"],
+        ),
+        ("", ["problems.jsonl: no problems"]),
+    ],
+)
 def test_bad_problem_file_fails_naming_the_file(tmp_path, content, names, tiny_prepared):
     data = tmp_path / "problems.jsonl"
     data.write_text(content)
@@ -153,6 +171,7 @@ def test_bad_problem_file_fails_naming_the_file(tmp_path, content, names, tiny_p
 # ----------------------------------------------------------------------------------------------------------
 # Corrupt intermediate files and packages
 # ----------------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def run_copy(tiny_run, tmp_path) -> Path:
@@ -197,10 +216,10 @@ def test_flipped_byte_in_stored_kv_fails_the_pass_naming_the_file(run_copy):
 def test_deleted_kv_file_fails_the_pass_naming_the_step_that_rebuilds_it(run_copy):
     kv = sorted((run_copy / "results" / "rollouts" / "tiny" / "kv").glob("*/*.safetensors"))[0]
     kv.unlink()
-    proc = snakemake(run_copy, TINY, "results/passes/tiny/exact.parquet", "--forcerun", "replay_exact",
-                     check=False)
-    assert_failed_naming(proc, kv.name, "deleted or moved after generate_rollouts wrote it",
-                         "snakemake --forcerun generate_rollouts")
+    proc = snakemake(run_copy, TINY, "results/passes/tiny/exact.parquet", "--forcerun", "replay_exact", check=False)
+    assert_failed_naming(
+        proc, kv.name, "deleted or moved after generate_rollouts wrote it", "snakemake --forcerun generate_rollouts"
+    )
     assert_nothing_half_written(run_copy)
 
 

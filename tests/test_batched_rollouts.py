@@ -14,12 +14,13 @@ from dataclasses import replace
 import polars as pl
 import pytest
 import torch
+from helpers import hf_engine
 from tinymodel import Tokenizer, tiny_llama
 
-from replaynoise import replay, rollouts
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
-from replaynoise.engines.hf import HFEngine
-from replaynoise.engines.kvfiles import load_kv_file
+from replaynoise.engines.hf.kvfiles import load_kv_file
+from replaynoise.generation import replay, rollouts
+from replaynoise.generation.passes import BRANCHES
 from replaynoise.io import keyed_scratch
 
 SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=14)
@@ -41,28 +42,42 @@ def keep_all(r) -> int:
 
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_batched_rollouts_store_each_rows_own_unpadded_kv(model, tmp_path, decode):
-    engine = HFEngine(model, Tokenizer(), decode=decode)
+    engine = hf_engine(model, Tokenizer(), decode=decode)
     batched = engine.generate_rollouts(requests(), SAMPLING, tmp_path / "batched", keep_all)
-    single = [HFEngine(model, Tokenizer(), decode=decode).generate_rollouts([req], SAMPLING, tmp_path / "single",
-                                                                           keep_all)[0]
-              for req in requests()]
+    single = [
+        hf_engine(model, Tokenizer(), decode=decode).generate_rollouts([req], SAMPLING, tmp_path / "single", keep_all)[
+            0
+        ]
+        for req in requests()
+    ]
     assert [r.rollout for r in batched] == [req.rollout for req in requests()]
     for b, s in zip(batched, single):
         assert b.response_ids == s.response_ids and b.logits_digests == s.logits_digests
         assert b.kv_file.endswith(f"{b.problem_id}.r{b.rollout}.safetensors")
-        layers_b, ids_b = load_kv_file(b.kv_file)
-        layers_s, ids_s = load_kv_file(s.kv_file)
-        assert ids_b == ids_s == (b.prompt_ids + b.response_ids)[:b.kv_len]
+        layers_b, ids_b = load_kv_file(b.kv_file, device="cpu")
+        layers_s, ids_s = load_kv_file(s.kv_file, device="cpu")
+        assert ids_b == ids_s == (b.prompt_ids + b.response_ids)[: b.kv_len]
         for (kb, vb), (ks, vs) in zip(layers_b, layers_s):
             assert kb.shape == ks.shape == (1, 2, b.kv_len, 16)
             assert torch.equal(kb.float(), ks.float()) and torch.equal(vb.float(), vs.float())
 
 
 def pivot_requests(rollouts) -> list[ContinuationRequest]:
-    return [ContinuationRequest(pivot_id=f"{r.problem_id}.r{r.rollout}@{t}", branch="orig", k=0, seed=1,
-                                prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]), branch_token=r.response_ids[t],
-                                kv_file=r.kv_file, kv_sha256=r.kv_sha256, expected_digest=r.logits_digests[t])
-            for r in rollouts for t in range(1, len(r.response_ids) - 1)]
+    return [
+        ContinuationRequest(
+            pivot_id=f"{r.problem_id}.r{r.rollout}@{t}",
+            branch="orig",
+            k=0,
+            seed=1,
+            prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]),
+            branch_token=r.response_ids[t],
+            kv_file=r.kv_file,
+            kv_sha256=r.kv_sha256,
+            expected_digest=r.logits_digests[t],
+        )
+        for r in rollouts
+        for t in range(1, len(r.response_ids) - 1)
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -72,9 +87,10 @@ def test_exact_states_pass_the_gate_and_a_batch1_restep_reproduces_a_batch1_roll
     model = model.to(dtype)
     try:
         for req in requests()[:3]:
-            (rollout,) = HFEngine(model, Tokenizer(), decode="dynamic").generate_rollouts(
-                [req], SAMPLING, tmp_path, keep_all)
-            engine = HFEngine(model, Tokenizer(), decode="dynamic")
+            (rollout,) = hf_engine(model, Tokenizer(), decode="dynamic").generate_rollouts(
+                [req], SAMPLING, tmp_path, keep_all
+            )
+            engine = hf_engine(model, Tokenizer(), decode="dynamic")
             states = [engine.prefix_state(r, "decode_kv") for r in pivot_requests([rollout])]
             assert states and all(s.verified and s.restep_match for s in states)
     finally:
@@ -85,8 +101,8 @@ def test_restep_of_batched_rollouts_is_a_measured_channel_not_a_gate(model, tmp_
     """Rollouts made in a batch, re-stepped all together: the state used is still the decode-time state
     (verified at every pivot), while the re-step reproduces only where the other batch layout happens not to
     reach the last bits (float64 here: most pivots, not all)."""
-    made = HFEngine(model, Tokenizer(), decode="dynamic").generate_rollouts(requests(), SAMPLING, tmp_path, keep_all)
-    states = HFEngine(model, Tokenizer(), decode="dynamic").prefix_states(pivot_requests(made), "decode_kv")
+    made = hf_engine(model, Tokenizer(), decode="dynamic").generate_rollouts(requests(), SAMPLING, tmp_path, keep_all)
+    states = hf_engine(model, Tokenizer(), decode="dynamic").prefix_states(pivot_requests(made), "decode_kv")
     assert len(states) > 20 and all(s.verified for s in states)
     assert all(s.restep_match is not None for s in states)
     assert sum(s.restep_match for s in states) > len(states) / 2
@@ -94,12 +110,26 @@ def test_restep_of_batched_rollouts_is_a_measured_channel_not_a_gate(model, tmp_
 
 def test_probe_rows_fold_into_the_k0_rows_of_their_branch():
     base = {c: None for c in replay.PASS_SCHEMA}
-    rows = [base | {"pivot_id": "a", "branch": b, "k": k, "token_ids": [1, 2], "next_topk_logprobs": [-0.5]}
-            for b in replay.BRANCHES for k in (0, 1)]
-    probes = [base | {"pivot_id": "a", "branch": b, "k": replay.PROBE_K, "token_ids": [7, 8, 9],
-                      "next_topk_logprobs": [-0.25 if b == "orig" else -2.0, -3.0]} for b in replay.BRANCHES]
-    shards = [pl.DataFrame(rows[:2] + probes[1:], schema=replay.PASS_SCHEMA),
-              pl.DataFrame(rows[2:] + probes[:1], schema=replay.PASS_SCHEMA)]
+    rows = [
+        base | {"pivot_id": "a", "branch": b, "k": k, "token_ids": [1, 2], "next_topk_logprobs": [-0.5]}
+        for b in BRANCHES
+        for k in (0, 1)
+    ]
+    probes = [
+        base
+        | {
+            "pivot_id": "a",
+            "branch": b,
+            "k": replay.PROBE_K,
+            "token_ids": [7, 8, 9],
+            "next_topk_logprobs": [-0.25 if b == "orig" else -2.0, -3.0],
+        }
+        for b in BRANCHES
+    ]
+    shards = [
+        pl.DataFrame(rows[:2] + probes[1:], schema=replay.PASS_SCHEMA),
+        pl.DataFrame(rows[2:] + probes[:1], schema=replay.PASS_SCHEMA),
+    ]
     out = replay.gather(shards)
     assert out.height == 4 and (out["k"] >= 0).all()
     k0 = out.filter(pl.col("k") == 0)
@@ -136,13 +166,13 @@ def test_kv_outputs_are_hard_links_of_the_scratch_files_where_the_file_system_al
 def test_a_short_batch_decodes_in_a_shape_of_its_own_whatever_ran_before(model, tmp_path):
     """A resumed pass may start at its short last batch: its static decode must not depend on which decoders
     the process built before (it used to borrow the full batches' rows), or a resume could change numbers."""
-    made = HFEngine(model, Tokenizer(), decode="static").generate_rollouts(requests(), SAMPLING, tmp_path, keep_all)
+    made = hf_engine(model, Tokenizer(), decode="static").generate_rollouts(requests(), SAMPLING, tmp_path, keep_all)
     rows = [replace(r, seed=i) for i, r in enumerate(pivot_requests(made))]
     full, short = rows[:16], rows[16:21]
-    warm = HFEngine(model, Tokenizer(), decode="static")
+    warm = hf_engine(model, Tokenizer(), decode="static")
     warm.run_batch(full, "decode_kv", SAMPLING)
     after_full = warm.run_batch(short, "decode_kv", SAMPLING)
-    cold = HFEngine(model, Tokenizer(), decode="static")
+    cold = hf_engine(model, Tokenizer(), decode="static")
     alone = cold.run_batch(short, "decode_kv", SAMPLING)
     assert [r.token_ids for r in after_full] == [r.token_ids for r in alone]
     assert [r.next_digest for r in after_full] == [r.next_digest for r in alone]

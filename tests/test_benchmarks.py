@@ -13,6 +13,7 @@ import pytest
 from replaynoise.progress import Phases, TokenProgress
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import mutants  # noqa: E402
 import pipeline  # noqa: E402
 import scale  # noqa: E402
 import suite_times  # noqa: E402
@@ -28,15 +29,22 @@ def test_the_benchmark_reads_the_loop_lines_the_library_writes(tmp_path, capsys)
     bar = TokenProgress(1024, "exact q7b")
     bar.rows(1024, 409600)
     bar.close(phases)
-    print("engine start-up by phase: process before the engine 3.10 s, imports 2.00 s, weights check 0.01 s, "
-          "model load 6.50 s, engine build 0.20 s", file=sys.stderr)
+    print(
+        "engine start-up by phase: process before the engine 3.10 s, imports 2.00 s, weights check 0.01 s, "
+        "model load 6.50 s, engine build 0.20 s",
+        file=sys.stderr,
+    )
     log = tmp_path / "job.log"
     log.write_text(capsys.readouterr().err)
     assert pipeline.phases(log) == {"compile and capture": 1.25, "decode": 12.5}
     assert pipeline.steps(log) == {"decode": 512}
     assert pipeline.phases(log, "engine start-up by phase: ") == {
-        "process before the engine": 3.1, "imports": 2.0, "weights check": 0.01, "model load": 6.5,
-        "engine build": 0.2}
+        "process before the engine": 3.1,
+        "imports": 2.0,
+        "weights check": 0.01,
+        "model load": 6.5,
+        "engine build": 0.2,
+    }
     assert pipeline.loop_seconds(log) is not None
 
 
@@ -55,8 +63,15 @@ def test_the_roofline_fractions_follow_from_the_logged_decode(tmp_path):
     (tmp_path / "results" / "pivots").mkdir(parents=True)
     pl.DataFrame({"prefix_len": [99, 99]}).write_parquet(tmp_path / "results" / "pivots" / "c.parquet")
     config = {"configs": {"c": {"engine": "hf"}}, "replay": {"batch_size": 1024}, "rollouts": {"batch_size": 64}}
-    row = {"rule": "replay_exact", "config": "c", "rows": 2048, "generated_tokens": 2048 * 400,
-           "phases": {"decode": 40.0}, "steps": {"decode": 800}, "loop_tokens_per_s": 2048 * 400 / 41}
+    row = {
+        "rule": "replay_exact",
+        "config": "c",
+        "rows": 2048,
+        "generated_tokens": 2048 * 400,
+        "phases": {"decode": 40.0},
+        "steps": {"decode": 800},
+        "loop_tokens_per_s": 2048 * 400 / 41,
+    }
     got = scale.roofline(tmp_path, row, config, costs)
     assert got["mean_context"] == 300 and got["rows_per_step"] == 1024
     assert got["decode_ms_per_step"] == pytest.approx(50.0)
@@ -73,22 +88,50 @@ def test_the_suite_timeline_pairs_each_test_s_start_and_end_per_worker(tmp_path,
     suite_times.pytest_runtest_logfinish("t.py::short", None)
     written = [line.split("\t")[1:] for line in (tmp_path / "gw1.tsv").read_text().splitlines()]
     assert written == [["start", "t.py::short"], ["end", "t.py::short"]]
-    (tmp_path / "gw1.tsv").write_text("101.0\tstart\tt.py::short\n102.0\tend\tt.py::short\n"
-                                      "102.0\tstart\tt.py::middling\n110.0\tend\tt.py::middling\n")
+    (tmp_path / "gw1.tsv").write_text(
+        "101.0\tstart\tt.py::short\n102.0\tend\tt.py::short\n102.0\tstart\tt.py::middling\n110.0\tend\tt.py::middling\n"
+    )
     (tmp_path / "gw0.tsv").write_text("100.0\tstart\tt.py::long\n130.5\tend\tt.py::long\n")
     (tmp_path / "main.tsv").write_text("100.1\tstart\tt.py::long\n131.0\tend\tt.py::long\n")  # the controller's
     finished, long_tests = suite_times._timeline(tmp_path, started=90.0)
     assert finished == {"gw0": 40.5, "gw1": 20.0}
-    assert long_tests == [{"test": "t.py::long", "worker": "gw0", "start_s": 10.0, "end_s": 40.5, "seconds": 30.5},
-                          {"test": "t.py::middling", "worker": "gw1", "start_s": 12.0, "end_s": 20.0, "seconds": 8.0}]
+    assert long_tests == [
+        {"test": "t.py::long", "worker": "gw0", "start_s": 10.0, "end_s": 40.5, "seconds": 30.5},
+        {"test": "t.py::middling", "worker": "gw1", "start_s": 12.0, "end_s": 20.0, "seconds": 8.0},
+    ]
     serial = tmp_path / "serial"  # without -n: the one process's record
     serial.mkdir()
     (serial / "main.tsv").write_text("100.0\tstart\tt.py::long\n106.0\tend\tt.py::long\n")
     assert suite_times._timeline(serial, started=100.0) == (
-        {"main": 6.0}, [{"test": "t.py::long", "worker": "main", "start_s": 0.0, "end_s": 6.0, "seconds": 6.0}])
-    record = {"commit": "abc", "dirty": False, "command": ["python", "-m", "pytest"], "cpu_count": 2, "wall_s": 41.0,
-              "summary": "2 passed"}
+        {"main": 6.0},
+        [{"test": "t.py::long", "worker": "main", "start_s": 0.0, "end_s": 6.0, "seconds": 6.0}],
+    )
+    record = {
+        "commit": "abc",
+        "dirty": False,
+        "command": ["python", "-m", "pytest"],
+        "cpu_count": 2,
+        "wall_s": 41.0,
+        "summary": "2 passed",
+    }
     assert suite_times.durations_record(record, long_tests) == {
-        "measured": {"commit": "abc", "dirty": False, "command": ["python", "-m", "pytest"], "cpu_count": 2,
-                     "wall_s": 41.0},
-        "seconds": {"t.py::long": 30.5, "t.py::middling": 8.0}}
+        "measured": {
+            "commit": "abc",
+            "dirty": False,
+            "command": ["python", "-m", "pytest"],
+            "cpu_count": 2,
+            "wall_s": 41.0,
+        },
+        "seconds": {"t.py::long": 30.5, "t.py::middling": 8.0},
+    }
+
+
+def test_every_mutant_breaks_text_the_tree_holds_once_and_names_tests_that_exist():
+    """A mutant whose text is gone (a reformat, a rename) would run its tests on the unbroken code and pass."""
+    root = Path(__file__).resolve().parents[1]
+    for name, _, file, text, broken, tests in mutants.MUTANTS:
+        assert (root / file).read_text().count(text) == 1, f"{name}: its text is not once in {file}"
+        assert broken != text, name
+        for test in tests:
+            path, func = test.split("::")
+            assert f"def {func}(" in (root / path).read_text(), f"{name}: no {test}"

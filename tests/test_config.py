@@ -24,7 +24,7 @@ from replaynoise.config import (
     load_schema,
     validate_config,
 )
-from replaynoise.engines.vllm_build import invariant_llm_kwargs, llm_kwargs
+from replaynoise.engines.vllm.build import invariant_llm_kwargs, llm_kwargs
 from replaynoise.machine import job_gpus
 from replaynoise.overlays import configfiles, load_campaign
 
@@ -72,13 +72,18 @@ def test_committed_config_validates_and_is_complete(committed):
     assert validate_config(validated) == validated
 
 
-CAMPAIGNS = sorted((REPO / "config" / "campaigns").glob("*.yaml")) + sorted(
-    (REPO / "config" / "campaigns" / "gpu").glob("*.yaml")) + sorted(
-    (REPO / "config" / "campaigns" / "gpu-vllm").glob("*.yaml"))
+CAMPAIGNS = (
+    sorted((REPO / "config" / "campaigns").glob("*.yaml"))
+    + sorted((REPO / "config" / "campaigns" / "gpu").glob("*.yaml"))
+    + sorted((REPO / "config" / "campaigns" / "gpu-vllm").glob("*.yaml"))
+)
 
 
-@pytest.mark.parametrize("path", CAMPAIGNS + sorted((REPO / "config" / "campaigns" / "paper-variants").glob("*.yaml"))
-                         + [DEFAULT_CONFIG_PATH], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path",
+    CAMPAIGNS + sorted((REPO / "config" / "campaigns" / "paper-variants").glob("*.yaml")) + [DEFAULT_CONFIG_PATH],
+    ids=lambda p: p.stem,
+)
 def test_every_campaign_file_passes_the_duplicate_key_check_and_validates(path):
     """The files use merge keys (``<<: *gpu``) with overrides: neither is a duplicate."""
     check_config_file(path)
@@ -87,14 +92,21 @@ def test_every_campaign_file_passes_the_duplicate_key_check_and_validates(path):
 
 #: reference/<folder>/<name> (gpu: the HF engine's; gpu-vllm: vLLM's), made by config/campaigns/<folder>/<name>.yaml
 GPU_FOLDERS = ("gpu", "gpu-vllm")
-GPU_REFERENCES = sorted(f"{folder}/{p.parent.name}" for folder in GPU_FOLDERS
-                        for p in (REPO / "reference" / folder).glob("*/provenance.json"))
+GPU_REFERENCES = sorted(
+    f"{folder}/{p.parent.name}"
+    for folder in GPU_FOLDERS
+    for p in (REPO / "reference" / folder).glob("*/provenance.json")
+)
 
 
 def test_every_gpu_reference_has_its_campaign_file():
     assert sum(ref.startswith("gpu/") for ref in GPU_REFERENCES) >= 7
-    assert {"gpu-vllm/paper-qwen", "gpu-vllm/paper-qwen-k8", "gpu-vllm/paper-qwen-engines",
-            "gpu-vllm/paper-smollm2"} <= set(GPU_REFERENCES)
+    assert {
+        "gpu-vllm/paper-qwen",
+        "gpu-vllm/paper-qwen-k8",
+        "gpu-vllm/paper-qwen-engines",
+        "gpu-vllm/paper-smollm2",
+    } <= set(GPU_REFERENCES)
     assert all((REPO / "config" / "campaigns" / f"{ref}.yaml").is_file() for ref in GPU_REFERENCES)
 
 
@@ -113,8 +125,14 @@ OVERLAYS = sorted(p for p in CAMPAIGNS if "overlay_of" in yaml.safe_load(p.read_
 
 
 def test_the_campaign_variants_are_overlays_and_each_runs_with_its_base_first():
-    assert {p.stem for p in OVERLAYS} >= {"qwen-k8", "qwen-k16", "qwen-fp16", "qwen-greedy", "qwen-invariant",
-                                          "controls-fp32"}
+    assert {p.stem for p in OVERLAYS} >= {
+        "qwen-k8",
+        "qwen-k16",
+        "qwen-fp16",
+        "qwen-greedy",
+        "qwen-invariant",
+        "controls-fp32",
+    }
     for path in OVERLAYS:
         base = path.parent / yaml.safe_load(path.read_text())["overlay_of"]
         assert configfiles(path) == [base, path]
@@ -197,19 +215,40 @@ def test_every_schema_property_documents_a_default_or_is_required():
 
 BAD_VALUES = {
     "k-zero": ("replay.k", 0, ["replay.k", "minimum of 1"]),
-    "unknown-pass": ("replay.passes", ["exact", "replica", "refeed", "bogus"],
-                     ["replay.passes", "'bogus'", "allowed values: exact, replica, refeed, selector, refeed_text, "
-                      "replica_fresh, refeed_replica, serial, transplant_decode", "transplant_refeed_lo<L>"]),
+    "unknown-pass": (
+        "replay.passes",
+        ["exact", "replica", "refeed", "bogus"],
+        [
+            "replay.passes",
+            "'bogus'",
+            "allowed values: exact, replica, refeed, selector, refeed_text, "
+            "replica_fresh, refeed_replica, serial, transplant_decode",
+            "transplant_refeed_lo<L>",
+        ],
+    ),
     "passes-without-refeed": ("replay.passes", ["exact", "replica", "selector"], ["replay.passes", "'refeed'"]),
-    "unknown-source": ("dataset.source", "mnist",
-                       ["dataset.source", "'mnist'", "allowed values: simple_addsub, gsm8k, gsm8k_train, svamp, "
-                        "mawps_addsub, mawps_singleop, mawps_multiarith, mawps_singleeq, file"]),
-    "bad-dtype": (f"configs.{CONFIG_NAME}.dtype", "int8",
-                  [f"configs.{CONFIG_NAME}.dtype", "'int8'", "allowed values: bfloat16, float16, float32"]),
+    "unknown-source": (
+        "dataset.source",
+        "mnist",
+        [
+            "dataset.source",
+            "'mnist'",
+            "allowed values: simple_addsub, gsm8k, gsm8k_train, svamp, "
+            "mawps_addsub, mawps_singleop, mawps_multiarith, mawps_singleeq, file",
+        ],
+    ),
+    "bad-dtype": (
+        f"configs.{CONFIG_NAME}.dtype",
+        "int8",
+        [f"configs.{CONFIG_NAME}.dtype", "'int8'", "allowed values: bfloat16, float16, float32"],
+    ),
     "n-problems-string": ("dataset.n_problems", "12", ["dataset.n_problems", "not of type 'integer'"]),
     "unknown-top-level": ("bogus_section", {"a": 1}, ["(top level)", "bogus_section", "allowed keys:", "replay"]),
-    "unknown-model": (f"configs.{CONFIG_NAME}.model", "no-such-model-xyz",
-                      [f"configs.{CONFIG_NAME}.model", "no-such-model-xyz", "smollm2-135m"]),
+    "unknown-model": (
+        f"configs.{CONFIG_NAME}.model",
+        "no-such-model-xyz",
+        [f"configs.{CONFIG_NAME}.model", "no-such-model-xyz", "smollm2-135m"],
+    ),
     "unknown-nested-key": ("pivots.max_margn", 0.1, ["pivots", "max_margn", "allowed keys:", "max_margin"]),
     "bad-device": (f"configs.{CONFIG_NAME}.device", "gpu", [f"configs.{CONFIG_NAME}.device", "'gpu'"]),
 }
@@ -262,8 +301,14 @@ def test_file_source_with_existing_file_and_local_model_dir_validate(committed, 
         validate_config(with_value(config, f"configs.{CONFIG_NAME}.model", str(data)))
 
 
-@pytest.mark.parametrize("missing, message", [
-    ("tokenizer.json", "no tokenizer"), ("model.safetensors", "no \\*.safetensors"), ("config.json", "no config.json")])
+@pytest.mark.parametrize(
+    "missing, message",
+    [
+        ("tokenizer.json", "no tokenizer"),
+        ("model.safetensors", "no \\*.safetensors"),
+        ("config.json", "no config.json"),
+    ],
+)
 def test_local_model_dir_missing_a_part_fails_at_validation(committed, tmp_path, missing, message):
     model_dir = tmp_path / "my-model"
     model_dir.mkdir()
@@ -306,8 +351,9 @@ def test_analysis_hash_changes_with_a_protocol_value(committed, key, value):
     assert re.fullmatch(r"[0-9a-f]{16}", analysis_hash(changed))
 
 
-@pytest.mark.parametrize("key,value", [("figures.conditioning", "none"), ("figures.margin_bins", 9),
-                                       ("resources.threads", 16)])
+@pytest.mark.parametrize(
+    "key,value", [("figures.conditioning", "none"), ("figures.margin_bins", 9), ("resources.threads", 16)]
+)
 def test_analysis_hash_ignores_figures_and_resources(committed, key, value):
     base = validate_config(committed)
     changed = validate_config(with_value(committed, key, value))
@@ -360,8 +406,19 @@ def snakemake_exe() -> str:
 def dry_run(workdir: Path, *configfiles: Path) -> subprocess.CompletedProcess:
     # Name the committed config explicitly: a relative ``configfile:`` in the Snakefile would be looked up in the
     # working directory (the empty tmp dir), and extra configfiles are merged over it key by key.
-    cmd = [snakemake_exe(), "-n", "--cores", "1", "--directory", str(workdir), "-s", str(SNAKEFILE),
-           "--configfile", str(DEFAULT_CONFIG_PATH), *map(str, configfiles)]
+    cmd = [
+        snakemake_exe(),
+        "-n",
+        "--cores",
+        "1",
+        "--directory",
+        str(workdir),
+        "-s",
+        str(SNAKEFILE),
+        "--configfile",
+        str(DEFAULT_CONFIG_PATH),
+        *map(str, configfiles),
+    ]
     return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=180)
 
 
@@ -371,9 +428,11 @@ def job_counts(output: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table, re.MULTILINE)}
 
 
-@pytest.mark.parametrize("override,key", [({"replay": {"k": 0}}, "replay.k"),
-                                          ({"dataset": {"source": "mnist"}}, "dataset.source")],
-                         ids=["k-zero", "unknown-source"])
+@pytest.mark.parametrize(
+    "override,key",
+    [({"replay": {"k": 0}}, "replay.k"), ({"dataset": {"source": "mnist"}}, "dataset.source")],
+    ids=["k-zero", "unknown-source"],
+)
 def test_snakemake_refuses_a_bad_config_before_any_job(tmp_path, override, key):
     workdir = tmp_path / "work"
     workdir.mkdir()
@@ -391,12 +450,38 @@ def test_snakemake_dry_run_lists_the_whole_pipeline(tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     jobs = job_counts(output)
-    expected = {"sample_problems", "prepare_model", "generate_rollouts", "select_pivots", "replay_exact",
-                "replay_replica", "replay_refeed", "compute_credit", "compare_passes",
-                "compare_pooled", "headline_tables", "manifest", "all", "gather_rollouts", "gather_pass",
-                "cost_report", "index_kv", "prefix_mismatch"}
-    figures = {f"figure_{name}" for name in ("disagreement", "kinds_of_change", "jaccard_sweep", "diff_histogram",
-                                             "disagreement_vs_margin", "channel_agreement", "mismatch_flips")}
+    expected = {
+        "sample_problems",
+        "prepare_model",
+        "generate_rollouts",
+        "select_pivots",
+        "replay_exact",
+        "replay_replica",
+        "replay_refeed",
+        "compute_credit",
+        "compare_passes",
+        "compare_pooled",
+        "headline_tables",
+        "manifest",
+        "all",
+        "gather_rollouts",
+        "gather_pass",
+        "cost_report",
+        "index_kv",
+        "prefix_mismatch",
+    }
+    figures = {
+        f"figure_{name}"
+        for name in (
+            "disagreement",
+            "kinds_of_change",
+            "jaccard_sweep",
+            "diff_histogram",
+            "disagreement_vs_margin",
+            "channel_agreement",
+            "mismatch_flips",
+        )
+    }
     assert set(jobs) == expected | figures, output
     assert jobs["compute_credit"] == jobs["gather_pass"] == 3  # one configuration x three passes
     assert jobs["generate_rollouts"] == 1 and jobs["replay_exact"] == 1  # 16 problems fit one shard of 50
@@ -418,11 +503,16 @@ def test_snakemake_dry_run_follows_the_configured_passes(tmp_path):
 
 # --- values the schema lets through ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("key, value", [("replay.k", 4.0), ("rollouts.per_problem", 8.0),
-                                        ("configs.smollm2-bf16.max_new_tokens", 40.0)])
+
+@pytest.mark.parametrize(
+    "key, value", [("replay.k", 4.0), ("rollouts.per_problem", 8.0), ("configs.smollm2-bf16.max_new_tokens", 40.0)]
+)
 def test_integer_keys_given_as_floats_are_refused_by_name(committed, key, value):
-    with pytest.raises(ConfigError, match=rf"config key {re.escape(key)}: {value!r} is not an integer \(write "
-                                          rf"{int(value)}\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"config key {re.escape(key)}: {value!r} is not an integer \(write "
+        rf"{int(value)}\)",
+    ):
         validate_config(with_value(committed, key, value))
 
 
@@ -449,8 +539,11 @@ def test_reserved_configuration_name_is_refused(committed):
 
 
 def test_budgets_beyond_the_models_context_are_refused_by_name(committed):
-    with pytest.raises(ConfigError, match=r"configs\.smollm2-bf16\.max_new_tokens \+ replay\.max_new_tokens: .*"
-                                          r"10000040, beyond the 8192 positions smollm2-135m"):
+    with pytest.raises(
+        ConfigError,
+        match=r"configs\.smollm2-bf16\.max_new_tokens \+ replay\.max_new_tokens: .*"
+        r"10000040, beyond the 8192 positions smollm2-135m",
+    ):
         validate_config(with_value(committed, "replay.max_new_tokens", 10_000_000))
     validate_config(with_value(committed, "replay.max_new_tokens", 4000))
 
@@ -466,6 +559,7 @@ def test_report_captions_substitute_nothing_by_accident():
 
 # ------------------------------------------------------------------------------------------ vLLM settings
 
+
 def _vllm(committed: dict, **settings) -> dict:
     config = copy.deepcopy(committed)
     config["configs"]["smollm2-bf16"].update({"engine": "vllm", **settings})
@@ -476,8 +570,15 @@ def test_vllm_settings_default_to_the_papers_regime_and_exist_only_for_vllm(comm
     hf = validate_config(committed)["configs"]["smollm2-bf16"]
     assert "vllm" not in hf  # an hf configuration's settings, and so its analysis hash, are as before
     gpu = validate_config(_vllm(committed, device="cuda", block_size=16))["configs"]["smollm2-bf16"]["vllm"]
-    assert gpu == {"eager": False, "max_num_seqs": 256, "max_num_batched_tokens": 8192, "chunked_prefill": True,
-                   "async_scheduling": True, "max_model_len": 4096, "gpu_memory_utilization": 0.92}
+    assert gpu == {
+        "eager": False,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        "chunked_prefill": True,
+        "async_scheduling": True,
+        "max_model_len": 4096,
+        "gpu_memory_utilization": 0.92,
+    }
     cpu = validate_config(_vllm(committed))["configs"]["smollm2-bf16"]["vllm"]
     assert cpu["eager"] is True and cpu["async_scheduling"] is False  # CUDA graphs are a GPU's; so is async here
     with pytest.raises(ConfigError, match=r"vllm\.async_scheduling: true on device cpu"):
@@ -493,16 +594,23 @@ def test_invariant_vllm_is_eager_and_refuses_compiled_mode_by_name(committed):
         validate_config(_vllm(committed, device="cuda", block_size=16, kernels="invariant", vllm={"eager": False}))
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"vllm": {"max_model_len": 64}}, r"configs\.smollm2-bf16\.vllm\.max_model_len: 64 positions do not hold"),
-    ({"vllm": {"max_model_len": 9000}}, r"configs\.smollm2-bf16\.vllm\.max_model_len: 9000 is beyond the 8192"),
-    ({"vllm": {"chunked_prefill": False, "max_num_batched_tokens": 2048}},
-     r"vllm\.max_num_batched_tokens: 2048 is below max_model_len 4096 with chunked_prefill false"),
-    ({"vllm": {"max_num_seqs": 512, "max_num_batched_tokens": 256}},
-     r"vllm\.max_num_batched_tokens: 256 is below max_num_seqs 512"),
-    ({"vllm": {"gpu_memory_utilization": 1.5}}, r"vllm\.gpu_memory_utilization: 1\.5 is greater than the maximum"),
-    ({"vllm": {"eagre": True}}, r"vllm: Additional properties are not allowed \('eagre' was unexpected\)"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"vllm": {"max_model_len": 64}}, r"configs\.smollm2-bf16\.vllm\.max_model_len: 64 positions do not hold"),
+        ({"vllm": {"max_model_len": 9000}}, r"configs\.smollm2-bf16\.vllm\.max_model_len: 9000 is beyond the 8192"),
+        (
+            {"vllm": {"chunked_prefill": False, "max_num_batched_tokens": 2048}},
+            r"vllm\.max_num_batched_tokens: 2048 is below max_model_len 4096 with chunked_prefill false",
+        ),
+        (
+            {"vllm": {"max_num_seqs": 512, "max_num_batched_tokens": 256}},
+            r"vllm\.max_num_batched_tokens: 256 is below max_num_seqs 512",
+        ),
+        ({"vllm": {"gpu_memory_utilization": 1.5}}, r"vllm\.gpu_memory_utilization: 1\.5 is greater than the maximum"),
+        ({"vllm": {"eagre": True}}, r"vllm: Additional properties are not allowed \('eagre' was unexpected\)"),
+    ],
+)
 def test_bad_vllm_settings_are_refused_at_parse_time_by_key(committed, settings, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(_vllm(committed, **settings))
@@ -518,8 +626,12 @@ def test_a_vllm_block_on_an_hf_configuration_is_refused(committed):
 def test_vllm_settings_enter_the_analysis_hash_unless_they_cannot_change_a_number(committed):
     base = analysis_hash(validate_config(_vllm(committed)))
     assert analysis_hash(validate_config(_vllm(committed, vllm={"max_num_seqs": 64}))) != base
-    assert analysis_hash(validate_config(_vllm(committed, vllm={"chunked_prefill": False,
-                                                                 "max_num_batched_tokens": 4096}))) != base
+    assert (
+        analysis_hash(
+            validate_config(_vllm(committed, vllm={"chunked_prefill": False, "max_num_batched_tokens": 4096}))
+        )
+        != base
+    )
     assert analysis_hash(validate_config(_vllm(committed, vllm={"gpu_memory_utilization": 0.5}))) == base
 
 
@@ -550,12 +662,15 @@ def test_tensor_parallelism_is_hashed_only_above_one_gpu(committed):
     assert analysis_hash(validate_config(_tp(committed, 3))) != base
 
 
-@pytest.mark.parametrize("tp, gpus, settings, message", [
-    (3, 1, {}, r"vllm\.tensor_parallel_size: 3 GPUs per job, but resources\.gpus lets a job hold 1"),
-    (2, 4, {}, r"vllm\.tensor_parallel_size: 2 does not divide the 9 attention heads of smollm2-135m"),
-    (3, 4, {"device": "cpu", "block_size": 32}, r"vllm\.tensor_parallel_size: 3 on device cpu"),
-    (3, 4, {"engine": "hf"}, r"smollm2-bf16\.vllm: settings of the vllm engine, but .* 'hf'.* runs on one GPU"),
-])
+@pytest.mark.parametrize(
+    "tp, gpus, settings, message",
+    [
+        (3, 1, {}, r"vllm\.tensor_parallel_size: 3 GPUs per job, but resources\.gpus lets a job hold 1"),
+        (2, 4, {}, r"vllm\.tensor_parallel_size: 2 does not divide the 9 attention heads of smollm2-135m"),
+        (3, 4, {"device": "cpu", "block_size": 32}, r"vllm\.tensor_parallel_size: 3 on device cpu"),
+        (3, 4, {"engine": "hf"}, r"smollm2-bf16\.vllm: settings of the vllm engine, but .* 'hf'.* runs on one GPU"),
+    ],
+)
 def test_bad_tensor_parallelism_is_refused_at_parse_time_by_key(committed, tp, gpus, settings, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(_tp(committed, tp, gpus, **settings))
@@ -571,17 +686,27 @@ def test_serial_pivots_exists_only_where_the_serial_pass_runs(committed):
 
 
 def test_cross_scoring_names_two_configurations_of_one_model_and_leaves_the_hash_alone_when_absent():
-    two = {"configs": {"a": {"model": "smollm2-135m"}, "b": {"model": "smollm2-135m", "dtype": "float32"},
-                       "q": {"model": "qwen2.5-coder-0.5b"}}}
+    two = {
+        "configs": {
+            "a": {"model": "smollm2-135m"},
+            "b": {"model": "smollm2-135m", "dtype": "float32"},
+            "q": {"model": "qwen2.5-coder-0.5b"},
+        }
+    }
     assert "cross_scoring" not in validate_config(two)["analysis"]  # absent: no filled default, the hash as before
     pair = {"rollouts": "a", "scorer": "b"}
     given = validate_config({**two, "analysis": {"cross_scoring": [pair]}})
     assert given["analysis"]["cross_scoring"] == [pair]
     assert analysis_hash(given) != analysis_hash(validate_config(two))
-    refused = ((("a", "c"), r"cross_scoring\[0\]\.scorer: 'c' is not a configuration"),
-               (("a", "a"), r"cross_scoring\[0\]: the rollouts and the scorer are both"),
-               (("a", "q"), r"cross_scoring\[0\]: the rollouts' model 'smollm2-135m' and the scorer's "
-                            r"'qwen2.5-coder-0.5b' differ"))
+    refused = (
+        (("a", "c"), r"cross_scoring\[0\]\.scorer: 'c' is not a configuration"),
+        (("a", "a"), r"cross_scoring\[0\]: the rollouts and the scorer are both"),
+        (
+            ("a", "q"),
+            r"cross_scoring\[0\]: the rollouts' model 'smollm2-135m' and the scorer's "
+            r"'qwen2.5-coder-0.5b' differ",
+        ),
+    )
     for (rollouts, scorer), message in refused:
         bad = {"rollouts": rollouts, "scorer": scorer}
         with pytest.raises(ConfigError, match=message):
@@ -594,18 +719,26 @@ def test_a_cross_scoring_pair_plans_one_job_of_the_scorer_on_the_rollouts_pivots
     workdir = tmp_path / "work"
     workdir.mkdir()
     overlay = tmp_path / "cross.yaml"
-    two = {"configs": {"smollm2-bf16": {"model": "smollm2-135m"},
-                       "smollm2-fp32": {"model": "smollm2-135m", "dtype": "float32"}}}
-    overlay.write_text(yaml.safe_dump({**two, "analysis": {"cross_scoring": [
-        {"rollouts": "smollm2-bf16", "scorer": "smollm2-fp32"}]}}))
+    two = {
+        "configs": {
+            "smollm2-bf16": {"model": "smollm2-135m"},
+            "smollm2-fp32": {"model": "smollm2-135m", "dtype": "float32"},
+        }
+    }
+    overlay.write_text(
+        yaml.safe_dump({**two, "analysis": {"cross_scoring": [{"rollouts": "smollm2-bf16", "scorer": "smollm2-fp32"}]}})
+    )
     proc = dry_run(workdir, overlay)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert job_counts(proc.stdout)["cross_score"] == 1
     job = proc.stdout.split("rule cross_score:", 1)[1].split("\n\n", 1)[0]
-    assert ("input: results/models/smollm2-135m-float32, results/rollouts/smollm2-bf16/rollouts.parquet, "
-            "results/pivots/smollm2-bf16.parquet") in job
-    assert ("output: results/cross/smollm2-bf16/smollm2-fp32.parquet, "
-            "results/cross/smollm2-bf16/smollm2-fp32.json") in job
+    assert (
+        "input: results/models/smollm2-135m-float32, results/rollouts/smollm2-bf16/rollouts.parquet, "
+        "results/pivots/smollm2-bf16.parquet"
+    ) in job
+    assert (
+        "output: results/cross/smollm2-bf16/smollm2-fp32.parquet, results/cross/smollm2-bf16/smollm2-fp32.json"
+    ) in job
     manifest = proc.stdout.split("rule manifest:", 1)[1].split("\n\n", 1)[0]
     assert "results/cross/smollm2-bf16/smollm2-fp32.json" in manifest
     overlay.write_text(yaml.safe_dump(two))
@@ -614,6 +747,7 @@ def test_a_cross_scoring_pair_plans_one_job_of_the_scorer_on_the_rollouts_pivots
 
 # ------------------------------------------------------------------------- one setting, one fingerprint
 
+
 def _tiny(**sections):
     base = {"configs": {"c": {"model": "smollm2-135m"}}}
     for key, value in sections.items():
@@ -621,15 +755,19 @@ def _tiny(**sections):
     return base
 
 
-@pytest.mark.parametrize("written", [
-    {"rollouts": {"long_prompts": "refuse"}},
-    {"analysis": {"cross_scoring": []}},
-    {"configs": {"c": {"model": "smollm2-135m", "stop": []}}},
-    {"prompt": {"shots": []}},
-    {"replay": {"replicates": 1}},
-    {"configs": {"c": {"model": "smollm2-135m", "cpu_threads": 2}}},
-    {"replay": {"serial_pivots": 30}},  # no serial pass: no step reads it
-], ids=lambda w: ".".join(str(k) for k in _path(w)))
+@pytest.mark.parametrize(
+    "written",
+    [
+        {"rollouts": {"long_prompts": "refuse"}},
+        {"analysis": {"cross_scoring": []}},
+        {"configs": {"c": {"model": "smollm2-135m", "stop": []}}},
+        {"prompt": {"shots": []}},
+        {"replay": {"replicates": 1}},
+        {"configs": {"c": {"model": "smollm2-135m", "cpu_threads": 2}}},
+        {"replay": {"serial_pivots": 30}},  # no serial pass: no step reads it
+    ],
+    ids=lambda w: ".".join(str(k) for k in _path(w)),
+)
 def test_a_documented_default_written_out_validates_to_the_config_without_it(written):
     """The validated mapping is what the analysis hash and every rule's params read: equal mappings give equal
     fingerprints and rerun nothing (an audit found long_prompts: refuse rerunning the rollouts and every pass)."""
@@ -640,19 +778,30 @@ def test_a_documented_default_written_out_validates_to_the_config_without_it(wri
 def _path(mapping):
     key = next(iter(mapping))
     value = mapping[key]
-    return [key, *(_path({k: v for k, v in value.items() if k != "model"}) if isinstance(value, dict) and
-                   any(k != "model" for k in value) else [])]
+    return [
+        key,
+        *(
+            _path({k: v for k, v in value.items() if k != "model"})
+            if isinstance(value, dict) and any(k != "model" for k in value)
+            else []
+        ),
+    ]
 
 
 def test_lists_that_are_sets_fingerprint_alike_in_any_order():
-    a = _tiny(configs={"c": {"model": "smollm2-135m", "stop": ["\n", "Q:"]}},
-              pivots={"align_to_block": True, "block_offsets": [2, 0, 1]})
-    b = _tiny(configs={"c": {"model": "smollm2-135m", "stop": ["Q:", "\n", "Q:"]}},
-              pivots={"align_to_block": True, "block_offsets": [0, 1, 2]})
+    a = _tiny(
+        configs={"c": {"model": "smollm2-135m", "stop": ["\n", "Q:"]}},
+        pivots={"align_to_block": True, "block_offsets": [2, 0, 1]},
+    )
+    b = _tiny(
+        configs={"c": {"model": "smollm2-135m", "stop": ["Q:", "\n", "Q:"]}},
+        pivots={"align_to_block": True, "block_offsets": [0, 1, 2]},
+    )
     assert validate_config(a) == validate_config(b)
 
 
 # ------------------------------------------------------------------- refused by key, never a crash, never late
+
 
 @pytest.mark.parametrize("tp", ["2", None, [2], 2])
 def test_a_vllm_block_on_an_hf_configuration_is_refused_by_key_whatever_it_holds(tp):
@@ -661,24 +810,42 @@ def test_a_vllm_block_on_an_hf_configuration_is_refused_by_key_whatever_it_holds
         validate_config(config)
 
 
-@pytest.mark.parametrize("given, kernels, device, key", [
-    ({"async_scheduling": "yes"}, "stock", "cpu", "async_scheduling"),
-    ({"eager": "no"}, "invariant", "cuda", "eager"),
-    ({"max_num_seqs": "256"}, "stock", "cuda", "max_num_seqs"),
-])
+@pytest.mark.parametrize(
+    "given, kernels, device, key",
+    [
+        ({"async_scheduling": "yes"}, "stock", "cpu", "async_scheduling"),
+        ({"eager": "no"}, "invariant", "cuda", "eager"),
+        ({"max_num_seqs": "256"}, "stock", "cuda", "max_num_seqs"),
+    ],
+)
 def test_a_vllm_setting_of_the_wrong_type_is_refused_not_replaced(given, kernels, device, key):
     """A string "yes" was silently replaced by the CPU default (and "no" under invariant by true)."""
-    config = {"configs": {"c": {"model": "smollm2-135m", "engine": "vllm", "kernels": kernels, "device": device,
-                                "block_size": 32, "vllm": given}}}
+    config = {
+        "configs": {
+            "c": {
+                "model": "smollm2-135m",
+                "engine": "vllm",
+                "kernels": kernels,
+                "device": device,
+                "block_size": 32,
+                "vllm": given,
+            }
+        }
+    }
     with pytest.raises(ConfigError, match=rf"configs\.c\.vllm\.{key}: .* is not of type"):
         validate_config(config)
 
 
 def test_a_layer_transplant_beyond_the_model_is_refused_when_the_config_is_read():
-    config = {"configs": {"c": {"model": "smollm2-135m"}},
-              "replay": {"passes": ["exact", "replica", "refeed", "transplant_refeed_lo99"]}}
-    with pytest.raises(ConfigError, match=r"'transplant_refeed_lo99' transplants at layer 99, but configs\.c's "
-                                          r"model smollm2-135m has 30 layers"):
+    config = {
+        "configs": {"c": {"model": "smollm2-135m"}},
+        "replay": {"passes": ["exact", "replica", "refeed", "transplant_refeed_lo99"]},
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"'transplant_refeed_lo99' transplants at layer 99, but configs\.c's "
+        r"model smollm2-135m has 30 layers",
+    ):
         validate_config(config)
     config["replay"]["passes"][-1] = "transplant_refeed_hi30"
     validate_config(config)
@@ -686,7 +853,9 @@ def test_a_layer_transplant_beyond_the_model_is_refused_when_the_config_is_read(
 
 def test_a_cross_scoring_pair_given_twice_is_refused():
     pair = {"rollouts": "a", "scorer": "b"}
-    config = {"configs": {"a": {"model": "smollm2-135m"}, "b": {"model": "smollm2-135m", "dtype": "float16"}},
-              "analysis": {"cross_scoring": [pair, {"rollouts": "b", "scorer": "a"}, dict(pair)]}}
+    config = {
+        "configs": {"a": {"model": "smollm2-135m"}, "b": {"model": "smollm2-135m", "dtype": "float16"}},
+        "analysis": {"cross_scoring": [pair, {"rollouts": "b", "scorer": "a"}, dict(pair)]},
+    }
     with pytest.raises(ConfigError, match=r"cross_scoring\[2\]: the pair .* is given twice .*\[0\]"):
         validate_config(config)

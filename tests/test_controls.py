@@ -10,13 +10,14 @@ from __future__ import annotations
 import polars as pl
 import pytest
 import torch
+from helpers import hf_engine
 from tinymodel import Tokenizer, tiny_llama
 
-from replaynoise import controls, replay
+from replaynoise.analysis import controls
 from replaynoise.config import ConfigError, validate_config
 from replaynoise.engines.base import ContinuationRequest, PrefixSource, RolloutRequest, SamplingSettings
-from replaynoise.engines.hf import HFEngine
-from replaynoise.passes import PASSES, pass_spec, schedule_of
+from replaynoise.generation import continuations, replay
+from replaynoise.generation.passes import PASSES, pass_spec, schedule_of
 
 SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=20)
 
@@ -27,13 +28,28 @@ def keep_all(r) -> int:
 
 def continuation_requests(model, tmp_path, decode: str) -> list[ContinuationRequest]:
     """Two rows per pivot (two seeds) at every position of four batched rollouts."""
-    made = HFEngine(model, Tokenizer(), decode=decode).generate_rollouts(
+    made = hf_engine(model, Tokenizer(), decode=decode).generate_rollouts(
         [RolloutRequest(f"p{i}", tuple(range(1, 5 + 3 * i)), seed=10 + i) for i in range(4)],
-        SamplingSettings(1.0, 1.0, 16), tmp_path, keep_all)
-    return [ContinuationRequest(pivot_id=f"{r.problem_id}@{t}", branch="orig", k=k, seed=100 * t + k,
-                                prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]), branch_token=r.response_ids[t],
-                                kv_file=r.kv_file, kv_sha256=r.kv_sha256, expected_digest=r.logits_digests[t])
-            for r in made for t in range(1, len(r.response_ids) - 1) for k in range(2)]
+        SamplingSettings(1.0, 1.0, 16),
+        tmp_path,
+        keep_all,
+    )
+    return [
+        ContinuationRequest(
+            pivot_id=f"{r.problem_id}@{t}",
+            branch="orig",
+            k=k,
+            seed=100 * t + k,
+            prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]),
+            branch_token=r.response_ids[t],
+            kv_file=r.kv_file,
+            kv_sha256=r.kv_sha256,
+            expected_digest=r.logits_digests[t],
+        )
+        for r in made
+        for t in range(1, len(r.response_ids) - 1)
+        for k in range(2)
+    ]
 
 
 def outputs(results) -> list[tuple]:
@@ -51,10 +67,9 @@ def bf16():
 
 
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
-def test_transplants_follow_their_donor_bitwise_and_a_cache_into_its_own_pass_changes_nothing(bf16, tmp_path,
-                                                                                             decode):
+def test_transplants_follow_their_donor_bitwise_and_a_cache_into_its_own_pass_changes_nothing(bf16, tmp_path, decode):
     reqs = continuation_requests(bf16, tmp_path, decode)
-    engine = HFEngine(bf16, Tokenizer(), decode=decode)
+    engine = hf_engine(bf16, Tokenizer(), decode=decode)
     exact = outputs(engine.run_batch(reqs, "decode_kv", SAMPLING))
     refeed = outputs(engine.run_batch(reqs, "refeed_ids", SAMPLING))
     assert sum(e[3] != r[3] for e, r in zip(exact, refeed)) > 10  # the caches do differ here
@@ -75,7 +90,7 @@ def test_a_layer_range_swaps_those_layers_alone(bf16, tmp_path):
     """The drift from the decode-time KV of a per-layer transplant is exactly zero outside the swapped layers
     and the re-feed's inside them; a range beyond the model's layers is refused by number."""
     reqs = continuation_requests(bf16, tmp_path, "dynamic")[::2]
-    engine = HFEngine(bf16, Tokenizer(), decode="dynamic")
+    engine = hf_engine(bf16, Tokenizer(), decode="dynamic")
     refeed = [s.kv_maxdiff for s in engine.prefix_states(reqs, "refeed_ids")]
     lower = [s.kv_maxdiff for s in engine.prefix_states(reqs, pass_spec("transplant_refeed_lo1").source)]
     upper = [s.kv_maxdiff for s in engine.prefix_states(reqs, pass_spec("transplant_refeed_hi1").source)]
@@ -89,7 +104,7 @@ def test_a_layer_range_swaps_those_layers_alone(bf16, tmp_path):
 
 def test_precision_arms_compute_the_prefix_or_the_continuation_in_float32(bf16, tmp_path):
     reqs = continuation_requests(bf16, tmp_path, "dynamic")
-    engine = HFEngine(bf16, Tokenizer(), decode="dynamic")
+    engine = hf_engine(bf16, Tokenizer(), decode="dynamic")
     refeed = engine.prefix_states(reqs, "refeed_ids")
     fp32 = engine.prefix_states(reqs, PASSES["refeed_fp32"].source)
     assert all(s.kv.dtype == torch.bfloat16 for s in fp32)  # cast back to the model's dtype
@@ -103,18 +118,22 @@ def test_precision_arms_compute_the_prefix_or_the_continuation_in_float32(bf16, 
     # on a float32 model the float32 arms are the passes themselves, bit for bit
     model32 = tiny_llama(torch.float32)
     reqs32 = continuation_requests(model32, tmp_path / "fp32", "dynamic")
-    engine32 = HFEngine(model32, Tokenizer(), decode="dynamic")
-    assert (outputs(engine32.run_batch(reqs32, PASSES["exact_fp32cont"].source, SAMPLING))
-            == outputs(engine32.run_batch(reqs32, "decode_kv", SAMPLING)))
-    assert (outputs(engine32.run_batch(reqs32, PASSES["refeed_fp32"].source, SAMPLING))
-            == outputs(engine32.run_batch(reqs32, "refeed_ids", SAMPLING)))
+    engine32 = hf_engine(model32, Tokenizer(), decode="dynamic")
+    assert outputs(engine32.run_batch(reqs32, PASSES["exact_fp32cont"].source, SAMPLING)) == outputs(
+        engine32.run_batch(reqs32, "decode_kv", SAMPLING)
+    )
+    assert outputs(engine32.run_batch(reqs32, PASSES["refeed_fp32"].source, SAMPLING)) == outputs(
+        engine32.run_batch(reqs32, "refeed_ids", SAMPLING)
+    )
 
 
 def test_control_passes_borrow_the_schedule_of_the_pass_they_vary():
     assert schedule_of("transplant_decode") == schedule_of("refeed_fp32") == "refeed"
     assert schedule_of("transplant_refeed") == schedule_of("transplant_refeed_hi12") == "exact"
     assert schedule_of("replica") == "replica"
-    assert replay.schedule_seed(1, "c", schedule_of("transplant_refeed")) == replay.schedule_seed(1, "c", "exact")
+    assert continuations.schedule_seed(1, "c", schedule_of("transplant_refeed")) == continuations.schedule_seed(
+        1, "c", "exact"
+    )
     with pytest.raises(ValueError, match="unknown pass 'transplant_exact'"):
         pass_spec("transplant_exact")
     with pytest.raises(ValueError, match="refeed_text re-tokenizes"):
@@ -137,18 +156,32 @@ def test_the_configuration_refuses_controls_it_cannot_run_by_name():
 
 def _pass_rows(tokens: dict[str, list[int]]) -> pl.DataFrame:
     base = {c: None for c in replay.PASS_SCHEMA}
-    return pl.DataFrame([base | {"pivot_id": pivot, "problem_id": pivot[0], "branch": "orig", "k": 0,
-                                 "token_ids": ids, "next_topk_ids": [ids[0]], "next_topk_logprobs": [-1.0],
-                                 "kv_maxdiff": [0.0, 0.5]}
-                         for pivot, ids in tokens.items()], schema=replay.PASS_SCHEMA)
+    return pl.DataFrame(
+        [
+            base
+            | {
+                "pivot_id": pivot,
+                "problem_id": pivot[0],
+                "branch": "orig",
+                "k": 0,
+                "token_ids": ids,
+                "next_topk_ids": [ids[0]],
+                "next_topk_logprobs": [-1.0],
+                "kv_maxdiff": [0.0, 0.5],
+            }
+            for pivot, ids in tokens.items()
+        ],
+        schema=replay.PASS_SCHEMA,
+    )
 
 
 def test_the_transplant_summary_says_whom_a_continuation_follows_where_donor_and_recipient_differ():
     exact = _pass_rows({"a1": [1], "a2": [2], "b1": [3], "b2": [4]})
     refeed = _pass_rows({"a1": [1], "a2": [9], "b1": [8], "b2": [7]})  # differs from exact on 3 rows
     moved = _pass_rows({"a1": [1], "a2": [2], "b1": [3], "b2": [7]})  # follows exact (the donor) on 2 of 3
-    out = controls.transplant_summary({"exact": exact, "refeed": refeed, "transplant_decode": moved}, {},
-                                      n_boot=200, seed=1, ci=0.95)
+    out = controls.transplant_summary(
+        {"exact": exact, "refeed": refeed, "transplant_decode": moved}, {}, n_boot=200, seed=1, ci=0.95
+    )
     tokens = out["transplant_decode"]["channels"]["token_ids"]
     assert out["transplant_decode"]["donor"] == "exact" and out["transplant_decode"]["n_layers"] == 2
     assert tokens["donor_and_recipient_differ"] == 3
@@ -160,32 +193,43 @@ def test_the_transplant_summary_says_whom_a_continuation_follows_where_donor_and
 
 # --------------------------------------------------------------------- the paper's two missing controls
 
+
 def test_the_floors_table_is_planned_only_where_refeed_replica_or_serial_runs():
     from replaynoise.plan import control_outputs
 
     assert "floors" not in control_outputs(["exact", "replica", "refeed", "replica_fresh"])["tables"]
     assert control_outputs(["exact", "replica", "refeed", "serial"])["tables"] == ["floors"]
     assert control_outputs(["exact", "replica", "refeed", "refeed_replica", "refeed_fp32"])["tables"] == [
-        "controls", "floors"]
+        "controls",
+        "floors",
+    ]
 
 
 def test_the_floors_table_sets_each_floor_against_the_pass_it_replicates(tmp_path):
-    from replaynoise.control_report import floor_rows, write_floors_table
+    from replaynoise.report.controls import floor_rows, write_floors_table
 
     def stat(est, n):
         return {"estimate": est, "ci_lo": est / 2, "ci_hi": est * 2, "n_disagree": n}
 
-    block = {"available": True, "n": 40, "n_problems": 9,
-             "disagreement": {"exact_vs_replica": stat(0.1, 4), "exact_vs_refeed": stat(0.3, 12)},
-             "other_passes": {"refeed_replica": {"n": 40, "n_problems": 9, "vs_exact": stat(0.25, 10),
-                                                 "vs_refeed": stat(0.05, 2)},
-                              "serial": {"n": 12, "n_problems": 5, "vs_exact": stat(0.0, 0),
-                                         "vs_refeed": stat(0.5, 6)}}}
+    block = {
+        "available": True,
+        "n": 40,
+        "n_problems": 9,
+        "disagreement": {"exact_vs_replica": stat(0.1, 4), "exact_vs_refeed": stat(0.3, 12)},
+        "other_passes": {
+            "refeed_replica": {"n": 40, "n_problems": 9, "vs_exact": stat(0.25, 10), "vs_refeed": stat(0.05, 2)},
+            "serial": {"n": 12, "n_problems": 5, "vs_exact": stat(0.0, 0), "vs_refeed": stat(0.5, 6)},
+        },
+    }
     results = {"c": {"conditionings": {"main": block, "none": {"available": False}}}}
     rows = floor_rows(results)
     got = {r["pass"]: (r["compared_with"], r["disagreement"], r["n"]) for r in rows.iter_rows(named=True)}
-    assert got == {"replica": ("exact", 0.1, 40), "refeed": ("exact", 0.3, 40),
-                   "refeed_replica": ("refeed", 0.05, 40), "serial": ("exact", 0.0, 12)}
+    assert got == {
+        "replica": ("exact", 0.1, 40),
+        "refeed": ("exact", 0.3, 40),
+        "refeed_replica": ("refeed", 0.05, 40),
+        "serial": ("exact", 0.0, 12),
+    }
     write_floors_table(results, "h", tmp_path / "f.csv", tmp_path / "f.md")
     md = (tmp_path / "f.md").read_text()
     assert "| c | main | refeed_replica | refeed | 40 (9) | 5.0 [2.5, 10.0] | 2 |" in md
@@ -194,10 +238,10 @@ def test_the_floors_table_sets_each_floor_against_the_pass_it_replicates(tmp_pat
 
 def test_a_pivot_sample_depends_on_the_seed_alone():
     pivots = pl.DataFrame({"pivot_id": [f"p{i:02d}" for i in range(30)], "t": list(range(30))})
-    a, b = replay.pivot_sample(pivots, 7, 11), replay.pivot_sample(pivots.reverse(), 7, 11)
+    a, b = continuations.pivot_sample(pivots, 7, 11), continuations.pivot_sample(pivots.reverse(), 7, 11)
     assert a.height == 7 and sorted(a["pivot_id"]) == sorted(b["pivot_id"])
-    assert sorted(replay.pivot_sample(pivots, 7, 12)["pivot_id"]) != sorted(a["pivot_id"])
-    assert replay.pivot_sample(pivots, 50, 11).equals(pivots)
+    assert sorted(continuations.pivot_sample(pivots, 7, 12)["pivot_id"]) != sorted(a["pivot_id"])
+    assert continuations.pivot_sample(pivots, 50, 11).equals(pivots)
 
 
 def test_the_new_controls_run_on_every_engine_and_replicate_the_right_pass():
@@ -205,6 +249,8 @@ def test_the_new_controls_run_on_every_engine_and_replicate_the_right_pass():
     assert pass_spec("refeed_replica").reference == "refeed" and pass_spec("serial").reference == "exact"
     assert pass_spec("refeed_replica").source.label != pass_spec("refeed").source.label
     assert schedule_of("refeed_replica") == "refeed_replica" and pass_spec("serial").batch_rows == 1
-    config = {"configs": {"v": {"model": "smollm2-135m", "engine": "vllm"}},
-              "replay": {"passes": ["exact", "replica", "refeed", "refeed_replica", "serial"]}}
+    config = {
+        "configs": {"v": {"model": "smollm2-135m", "engine": "vllm"}},
+        "replay": {"passes": ["exact", "replica", "refeed", "refeed_replica", "serial"]},
+    }
     assert validate_config(config)["replay"]["serial_pivots"] == 50

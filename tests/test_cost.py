@@ -5,7 +5,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from replaynoise.cost import TimedJob, read_benchmark, write_report
+from replaynoise.report.cost import TimedJob, read_benchmark, write_report
 
 HEADER = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
 
@@ -23,8 +23,9 @@ def test_gpu_jobs_pay_gpu_hours_cpu_jobs_pay_core_hours(tmp_path):
         TimedJob("replay_exact", benchmark(tmp_path / "a.001.tsv", 3600.0), gpus=2, threads=8),
         TimedJob("replay_refeed", str(tmp_path / "never-ran.tsv"), gpus=1, threads=8),
     ]
-    table = write_report(jobs, tmp_path / "cost.csv", tmp_path / "cost.md", gpu_hour=2.0, cpu_core_hour=0.5,
-                         currency="EUR")
+    table = write_report(
+        jobs, tmp_path / "cost.csv", tmp_path / "cost.md", gpu_hour=2.0, cpu_core_hour=0.5, currency="EUR"
+    )
     rows = {r["rule"]: r for r in table.iter_rows(named=True)}
     assert rows["replay_exact"]["gpu_hours"] == pytest.approx(0.5 + 2.0)
     assert rows["replay_exact"]["cpu_core_hours"] == 0  # a GPU job is billed by its GPUs

@@ -9,21 +9,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TINY, planned_rules
+from helpers import TINY, analysis_settings, planned_rules
 
-from replaynoise.analysis import compare_passes
+from replaynoise.analysis.comparison import compare_passes
+from replaynoise.analysis.replicated import components, crossed_interval, plan, replicated_stats
 from replaynoise.config import analysis_hash, validate_config
-from replaynoise.crossed import components, crossed_interval, plan, replicated_stats
-from replaynoise.passes import draw_name, pass_spec, replicate_pairs, run_passes
+from replaynoise.generation.passes import draw_name, pass_spec, replicate_pairs, run_passes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import coverage  # noqa: E402
 
-SETTINGS = {"theta": 0.5, "theta_sweep": None, "n_boot": 200, "seed": 3, "min_eligible": 1, "ci": 0.95,
-            "metric": "sign", "margin_split": 0.3}
+SETTINGS = analysis_settings(n_boot=200, seed=3, min_eligible=1)
 
 
 # ------------------------------------------------------------------------------------------- the estimator
+
 
 def test_the_components_of_an_additive_table_are_its_row_and_column_spreads():
     """e[p, r] = u[p] + v[r] exactly (one pivot per cell): no residual, the problem and pass components are the
@@ -73,6 +73,7 @@ def test_replicated_stats_pool_the_pairs_and_keep_each_pair_s_own_excess():
 
 # -------------------------------------------------------------------------------------------- coverage
 
+
 @pytest.mark.parametrize("pass_sd", [0.25, 0.5])
 def test_the_crossed_interval_covers_zero_where_the_problem_bootstrap_does_not(pass_sd):
     """Simulated runs (benchmarks/coverage.py: 40 problems, K = 4, three pairs, continuations that reproduce the
@@ -87,22 +88,24 @@ def test_the_crossed_interval_covers_zero_where_the_problem_bootstrap_does_not(p
 
 # ------------------------------------------------------------------------------------------------ power
 
+
 def test_a_plan_needs_more_problems_or_pairs_for_a_smaller_excess_and_refuses_one_pair():
     rng = np.random.default_rng(2)
     s = rng.normal(0.05, 0.3, (40, 3)) + rng.normal(0, 0.05, (1, 3))
     _, comp = components(s, np.ones_like(s))
-    rows = plan(comp, 5.0, problems=[20, 40, 80, 160], pairs=[2, 3, 5])
+    rows = plan(comp, 5.0, problems=[20, 40, 80, 160], pairs=[2, 3, 5], ci=0.95)
     power = {(r["problems"], r["pairs"]): r["power"] for r in rows}
     assert power[(160, 5)] > power[(40, 5)] > power[(20, 5)]
     assert power[(80, 5)] > power[(80, 2)]
-    big = plan(comp, 20.0, problems=[40], pairs=[3])[0]
-    assert big["power"] > plan(comp, 5.0, problems=[40], pairs=[3])[0]["power"]
+    big = plan(comp, 20.0, problems=[40], pairs=[3], ci=0.95)[0]
+    assert big["power"] > plan(comp, 5.0, problems=[40], pairs=[3], ci=0.95)[0]["power"]
     assert all(math.isfinite(r["df"]) for r in rows)
     with pytest.raises(ValueError, match="one pair"):
-        plan(comp, 5.0, problems=[40], pairs=[1])
+        plan(comp, 5.0, problems=[40], pairs=[1], ci=0.95)
 
 
 # -------------------------------------------------------------------------------------- passes and config
+
 
 def test_draws_are_passes_of_their_own_and_refeed_replica_is_the_re_feeds_second():
     assert [draw_name("refeed", r) for r in (1, 2, 3)] == ["refeed", "refeed_replica", "refeed_r3"]
@@ -114,13 +117,25 @@ def test_draws_are_passes_of_their_own_and_refeed_replica_is_the_re_feeds_second
     with pytest.raises(ValueError, match="refeed_replica"):
         pass_spec("refeed_r2")
     passes = run_passes({"passes": ["exact", "replica", "refeed", "selector"], "replicates": 3})
-    assert passes == ["exact", "replica", "replica_r2", "replica_r3", "refeed", "refeed_replica", "refeed_r3",
-                      "selector"]
-    assert replicate_pairs(passes) == [("replica", "refeed"), ("replica_r2", "refeed_replica"),
-                                       ("replica_r3", "refeed_r3")]
+    assert passes == [
+        "exact",
+        "replica",
+        "replica_r2",
+        "replica_r3",
+        "refeed",
+        "refeed_replica",
+        "refeed_r3",
+        "selector",
+    ]
+    assert replicate_pairs(passes) == [
+        ("replica", "refeed"),
+        ("replica_r2", "refeed_replica"),
+        ("replica_r3", "refeed_r3"),
+    ]
     # a run of the paper's two named controls has one replica: no pair beyond the first
     assert replicate_pairs(run_passes({"passes": ["exact", "replica", "refeed", "refeed_replica"]})) == [
-        ("replica", "refeed")]
+        ("replica", "refeed")
+    ]
 
 
 def test_one_replicate_written_out_is_the_default_and_keeps_the_fingerprint():
@@ -134,10 +149,10 @@ def test_one_replicate_written_out_is_the_default_and_keeps_the_fingerprint():
 
 def test_one_draw_leaves_the_comparison_as_it_was_and_three_add_the_replicated_blocks():
     credit = coverage.simulate_credit(np.random.default_rng(4), pass_sd=0.3, **coverage.DESIGN)
-    one = compare_passes({p: credit[p] for p in ("exact", "replica", "refeed")}, **SETTINGS)
+    one = compare_passes({p: credit[p] for p in ("exact", "replica", "refeed")}, SETTINGS)
     assert "replicates" not in one
     assert all("replicated" not in block for block in one["conditionings"].values())
-    three = compare_passes(credit, **SETTINGS)
+    three = compare_passes(credit, SETTINGS)
     assert three["replicates"]["n_pairs"] == 3
     main = three["conditionings"]["main"]
     assert main["replicated"]["draws"][0] == ["replica", "refeed"]

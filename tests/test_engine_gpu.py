@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import hf_engine
 
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
-from replaynoise.engines.hf import HFEngine
 
 # `-m gpu` selects these on a GPU machine; without a CUDA device they skip, saying why
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -27,28 +27,47 @@ def model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
-                         eos_token_id=VOCAB - 1, bos_token_id=0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=0,
+    )
     return LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
 
 
 def engine(model, kernels, decode="auto", **shape):
     tokenizer = SimpleNamespace(eos_token_id=VOCAB - 1)  # the engine reads only the end-of-sequence id
-    return HFEngine(model, tokenizer, kernels=kernels, decode=decode, **shape)
+    return hf_engine(model, tokenizer, kernels=kernels, decode=decode, **shape)
 
 
 def rollout_and_requests(eng, tmp_path, k=3):
     prompt = tuple(int(i) for i in torch.randint(1, VOCAB - 1, (64,), generator=torch.Generator().manual_seed(1)))
-    (r,) = eng.generate_rollouts([RolloutRequest("p", prompt, 5)], SAMPLING, tmp_path,
-                                 lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1)
+    (r,) = eng.generate_rollouts(
+        [RolloutRequest("p", prompt, 5)], SAMPLING, tmp_path, lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1
+    )
     requests = []
     for t in range(2, len(r.response_ids) - 1, 5):
         for branch, token in (("orig", r.response_ids[t]), ("sub", r.topk_ids[t][1])):
             for j in range(k):
-                requests.append(ContinuationRequest(f"p@{t}", branch, j, 1000 * t + 10 * j + len(branch),
-                                                    tuple(r.prompt_ids + r.response_ids[:t]), token, r.kv_file,
-                                                    r.kv_sha256, r.logits_digests[t]))
+                requests.append(
+                    ContinuationRequest(
+                        f"p@{t}",
+                        branch,
+                        j,
+                        1000 * t + 10 * j + len(branch),
+                        tuple(r.prompt_ids + r.response_ids[:t]),
+                        token,
+                        r.kv_file,
+                        r.kv_sha256,
+                        r.logits_digests[t],
+                    )
+                )
     return r, requests
 
 
@@ -72,8 +91,11 @@ def test_invariant_mode_is_bitwise_identical_across_passes_on_gpu(model, tmp_pat
     exact = eng.run_batch(requests, "decode_kv", SAMPLING)
     # the replica in other batches: other batch-mates, row slots and batch sizes
     flipped = list(reversed(requests))
-    replica = [r for start in range(0, len(flipped), 5) for r in
-               eng.run_batch(flipped[start:start + 5], "decode_kv", SAMPLING)][::-1]
+    replica = [
+        r
+        for start in range(0, len(flipped), 5)
+        for r in eng.run_batch(flipped[start : start + 5], "decode_kv", SAMPLING)
+    ][::-1]
     refeed = eng.run_batch(requests, "refeed_ids", SAMPLING)
     for x, y, z in zip(exact, replica, refeed):
         assert x.verified
@@ -102,7 +124,7 @@ def test_static_decode_replays_its_graph_bitwise_and_matches_the_eager_step(mode
 
 
 def test_noise_is_the_same_on_gpu_and_cpu_and_compiled():
-    from replaynoise.engines.kernels import compiled_sampler
+    from replaynoise.engines.hf.kernels import compiled_sampler
     from replaynoise.engines.sampling import gumbel, row_keys, sample_rows
 
     seeds = torch.tensor([1, 2**62 + 5, 12345, 0], dtype=torch.int64)
@@ -123,27 +145,31 @@ def test_batched_static_rollouts_keep_each_rows_own_kv_on_gpu(model, tmp_path):
     is its own. The prompt part comes from the same batched prefill in both decode modes (bitwise equal); the
     response part from other kernels (close, not equal); a wrong slice or offset would differ by O(1)."""
     gen = torch.Generator().manual_seed(2)
-    reqs = [RolloutRequest(f"p{i}", tuple(int(t) for t in torch.randint(1, VOCAB - 1, (20 + 7 * i,), generator=gen)),
-                           50 + i) for i in range(6)]
+    reqs = [
+        RolloutRequest(
+            f"p{i}", tuple(int(t) for t in torch.randint(1, VOCAB - 1, (20 + 7 * i,), generator=gen)), 50 + i
+        )
+        for i in range(6)
+    ]
     keep = lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1  # noqa: E731
     static = engine(model, "stock")
     assert static.mode.name == "static"
-    dynamic = HFEngine(model, SimpleNamespace(eos_token_id=VOCAB - 1), decode="dynamic")
+    dynamic = hf_engine(model, SimpleNamespace(eos_token_id=VOCAB - 1), decode="dynamic")
     a = static.generate_rollouts(reqs, SAMPLING, tmp_path / "static", keep)
     assert [d.compiled for d in static.forwards.decoders.values()] == [False]  # rollouts: eager layers in the graph
     b = dynamic.generate_rollouts(reqs, SAMPLING, tmp_path / "dynamic", keep)
-    from replaynoise.engines.kvfiles import load_kv_file
+    from replaynoise.engines.hf.kvfiles import load_kv_file
 
     for x, y in zip(a, b):
         assert x.response_ids[0] == y.response_ids[0] and x.logits_digests[0] == y.logits_digests[0]
-        layers_x, ids_x = load_kv_file(x.kv_file)
-        kx, ky = layers_x[0][0], load_kv_file(y.kv_file)[0][0][0]
-        assert ids_x == (x.prompt_ids + x.response_ids)[:x.kv_len]
+        layers_x, ids_x = load_kv_file(x.kv_file, device="cpu")
+        kx, ky = layers_x[0][0], load_kv_file(y.kv_file, device="cpu")[0][0][0]
+        assert ids_x == (x.prompt_ids + x.response_ids)[: x.kv_len]
         p = len(x.prompt_ids)
         assert torch.equal(kx[..., :p, :], ky[..., :p, :])
         n = min(kx.shape[-2], ky.shape[-2])
         scale = float(ky[..., :n, :].abs().max())
-        assert float((kx[..., p:p + 1, :] - ky[..., p:p + 1, :]).abs().max()) < 0.05 * scale
+        assert float((kx[..., p : p + 1, :] - ky[..., p : p + 1, :]).abs().max()) < 0.05 * scale
     exact = [static.prefix_state(r, "decode_kv") for r in rollout_and_requests(static, tmp_path / "r")[1]]
     assert all(s.verified and s.restep_match is not None for s in exact)
 
@@ -158,7 +184,8 @@ def test_invariant_decoder_keeps_its_numbers_across_sampling_changes_with_graphs
     first = eng.run_batch(requests, "decode_kv", SAMPLING)
     eng.run_batch(requests[:3], "decode_kv", greedy)
     again = eng.run_batch(requests, "decode_kv", SAMPLING)
-    fresh = engine(model, "invariant", invariant_rows=8, invariant_context=256).run_batch(requests, "decode_kv",
-                                                                                          SAMPLING)
+    fresh = engine(model, "invariant", invariant_rows=8, invariant_context=256).run_batch(
+        requests, "decode_kv", SAMPLING
+    )
     for a, b, c in zip(first, again, fresh):
         assert a.token_ids == b.token_ids == c.token_ids and a.next_digest == b.next_digest == c.next_digest

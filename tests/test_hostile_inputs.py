@@ -18,16 +18,29 @@ from pathlib import Path
 import polars as pl
 import pytest
 import yaml
-from helpers import REPO, SNAKEMAKE, TINY, clone_run, planned_rules, seed_model, snakemake, with_setting
+from helpers import (
+    REPO,
+    SNAKEMAKE,
+    TINY,
+    clone_run,
+    pass_job,
+    planned_rules,
+    rollout_job,
+    seed_model,
+    snakemake,
+    with_setting,
+)
 
 from replaynoise import io as rio
-from replaynoise import models, reanalyze, reference, replay, rollouts
+from replaynoise import reanalyze, reference
 from replaynoise.config import ConfigError, analysis_hash, validate_config
-from replaynoise.datasets import load_problems, read_problems
+from replaynoise.data import models
+from replaynoise.data.datasets import load_problems, read_problems
 from replaynoise.engines.base import ContinuationResult, Rollout, SamplingSettings
-from replaynoise.io import file_in, intact_scratch, read_json, sha256_file
+from replaynoise.generation import replay, rollouts
+from replaynoise.generation.pivots import PivotRules
+from replaynoise.io import file_in, intact_scratch, keyed_scratch, read_json, sha256_file
 from replaynoise.machine import overlay_adds_default_configs, platform_problems
-from replaynoise.pivots import PivotRules
 from replaynoise.progress import Phases
 from replaynoise.provenance import input_checksums, verify_inputs
 
@@ -41,17 +54,26 @@ def jsonl(path: Path, rows: list[dict]) -> Path:
 
 # ------------------------------------------------------------------------------------- 1. ids that become paths
 
-@pytest.mark.parametrize("bad_id", [
-    "../../../../../../../../../../tmp/x",  # wrote /tmp/x.r0.safetensors
-    "a/b",  # failed only in the replay pass, as "deleted or moved"
-    "two\nlines",  # split its line of MANIFEST.sha256
-    "two\u2028lines",  # passed, and Python's str.splitlines split the manifest line: verify crashed
-    "two\x85lines",
-    "x" * 245,  # File name too long, after generation
-])
+
+@pytest.mark.parametrize(
+    "bad_id",
+    [
+        "../../../../../../../../../../tmp/x",  # wrote /tmp/x.r0.safetensors
+        "a/b",  # failed only in the replay pass, as "deleted or moved"
+        "two\nlines",  # split its line of MANIFEST.sha256
+        "two\u2028lines",  # passed, and Python's str.splitlines split the manifest line: verify crashed
+        "two\x85lines",
+        "x" * 245,  # File name too long, after generation
+    ],
+)
 def test_an_id_that_cannot_name_a_file_is_refused_by_file_and_line(tmp_path, bad_id):
-    data = jsonl(tmp_path / "mine.jsonl", [{"id": "ok", "question": "What is 1 plus 1?", "answer": "2"},
-                                           {"id": bad_id, "question": "What is 2 plus 2?", "answer": "4"}])
+    data = jsonl(
+        tmp_path / "mine.jsonl",
+        [
+            {"id": "ok", "question": "What is 1 plus 1?", "answer": "2"},
+            {"id": bad_id, "question": "What is 2 plus 2?", "answer": "4"},
+        ],
+    )
     with pytest.raises(ValueError, match=r"mine\.jsonl:2: problem id .*(cannot name a file|bytes long)"):
         load_problems("file", str(data), tmp_path)
 
@@ -70,9 +92,11 @@ def test_a_file_name_made_from_data_never_leaves_its_folder(tmp_path, name):
 
 # ------------------------------------------------------------------------------------- 3. inputs hashed when read
 
+
 def test_provenance_records_the_dataset_as_the_sampling_step_read_it(tmp_path):
-    data = jsonl(tmp_path / "mine.jsonl", [{"question": f"What is {i} plus 1?", "answer": str(i + 1)}
-                                           for i in range(3)])
+    data = jsonl(
+        tmp_path / "mine.jsonl", [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(3)]
+    )
     read = read_problems("file", str(data), tmp_path)
     assert read.sha256 == sha256_file(data)
     assert read.where["mine-1"] == f"{data}:2"
@@ -86,6 +110,7 @@ def test_provenance_records_the_dataset_as_the_sampling_step_read_it(tmp_path):
 
 
 # --------------------------------------------------------------------------------- 4. prompts past the context
+
 
 class WordTokenizer:
     """One token per word (prompt.style plain): a prompt's length is known without a model."""
@@ -111,9 +136,19 @@ class RecordingEngine:
 
     def generate_rollouts(self, requests, sampling, kv_dir, keep_len):
         self.asked += [req.problem_id for req in requests]
-        return [Rollout(problem_id=req.problem_id, prompt_ids=list(req.prompt_ids), response_ids=[2],
-                        topk_ids=[[2, 3]], topk_logprobs=[[-0.1, -2.0]], logits_digests=["d"], finish_reason="eos",
-                        rollout=req.rollout) for req in requests]
+        return [
+            Rollout(
+                problem_id=req.problem_id,
+                prompt_ids=list(req.prompt_ids),
+                response_ids=[2],
+                topk_ids=[[2, 3]],
+                topk_logprobs=[[-0.1, -2.0]],
+                logits_digests=["d"],
+                finish_reason="eos",
+                rollout=req.rollout,
+            )
+            for req in requests
+        ]
 
 
 def long_dataset(tmp_path: Path) -> tuple[Path, pl.DataFrame]:
@@ -125,11 +160,22 @@ def long_dataset(tmp_path: Path) -> tuple[Path, pl.DataFrame]:
     return data, load_problems("file", str(data), tmp_path)
 
 
-def rollouts_of(engine, problems, tmp_path: Path, name: str, **kwargs) -> pl.DataFrame:
-    return rollouts.generate(engine, problems, config_name="tiny", seed=1, sampling=SamplingSettings(0.7, 1.0, 24),
-                             style="plain", instruction="", rules=PivotRules(max_margin=0.3, per_rollout=1),
-                             kv_dir=tmp_path / name / "kv", work_dir=tmp_path / name / "work", context=100,
-                             **kwargs)
+def rollouts_of(
+    engine, problems, tmp_path: Path, name: str, long_prompts: str = "refuse", batch_size: int = 1, **kwargs
+) -> pl.DataFrame:
+    job = rollout_job(
+        "tiny",
+        1,
+        SamplingSettings(0.7, 1.0, 24),
+        PivotRules(max_margin=0.3, per_rollout=1),
+        style="plain",
+        instruction="",
+        long_prompts=long_prompts,
+        batch_size=batch_size,
+    )
+    return rollouts.generate(
+        engine, problems, job, kv_dir=tmp_path / name / "kv", work_dir=tmp_path / name / "work", context=100, **kwargs
+    )
 
 
 def test_a_prompt_past_the_context_is_refused_by_file_and_line_before_any_generation(tmp_path):
@@ -140,9 +186,13 @@ def test_a_prompt_past_the_context_is_refused_by_file_and_line_before_any_genera
         rollouts_of(engine, problems, tmp_path, "refused", dataset=dataset)
     message = str(err.value)
     assert f"{data}:4: problem mine-2: 507 prompt tokens" in message
-    for part in ("configuration tiny: 1 prompt(s) and their 24 rollout tokens (configs.tiny.max_new_tokens) run "
-                 "past its 100-position context", "Shorten or remove", "configs.tiny.vllm.max_model_len",
-                 "rollouts.long_prompts: skip"):
+    for part in (
+        "configuration tiny: 1 prompt(s) and their 24 rollout tokens (configs.tiny.max_new_tokens) run "
+        "past its 100-position context",
+        "Shorten or remove",
+        "configs.tiny.vllm.max_model_len",
+        "rollouts.long_prompts: skip",
+    ):
         assert part in message, part
     assert engine.asked == []  # refused before any generation
     # exactly at the edge: a prompt of 76 tokens and 24 rollout tokens fill 100 positions
@@ -160,20 +210,43 @@ def test_long_prompts_skip_leaves_them_out_with_a_count_and_shards_still_agree(t
     whole = rollouts_of(engine, problems, tmp_path, "whole", long_prompts="skip", dataset=dataset, batch_size=2)
     assert whole["problem_id"].to_list() == ["mine-0", "mine-1", "mine-3"]
     assert "mine-2" not in engine.asked
-    assert (f"configuration tiny: skipped 1 of 4 problems of this shard, whose prompts and their 24 rollout tokens "
-            f"(configs.tiny.max_new_tokens) run past its 100-position context (rollouts.long_prompts: skip): "
-            f"{data}:4: problem mine-2: 507 prompt tokens") in capsys.readouterr().err
+    assert (
+        f"configuration tiny: skipped 1 of 4 problems of this shard, whose prompts and their 24 rollout tokens "
+        f"(configs.tiny.max_new_tokens) run past its 100-position context (rollouts.long_prompts: skip): "
+        f"{data}:4: problem mine-2: 507 prompt tokens"
+    ) in capsys.readouterr().err
     # shards [0, 2] and [3]: batch [mine-2, mine-3] straddles them; both leave mine-2 out, its own shard counts it
-    first = rollouts_of(RecordingEngine(), problems, tmp_path, "s0", long_prompts="skip", dataset=dataset,
-                        batch_size=2, mine=range(0, 3))
+    first = rollouts_of(
+        RecordingEngine(),
+        problems,
+        tmp_path,
+        "s0",
+        long_prompts="skip",
+        dataset=dataset,
+        batch_size=2,
+        mine=range(0, 3),
+    )
     assert "skipped 1 of 3 problems" in capsys.readouterr().err
-    second = rollouts_of(RecordingEngine(), problems, tmp_path, "s1", long_prompts="skip", dataset=dataset,
-                         batch_size=2, mine=range(3, 4))
+    second = rollouts_of(
+        RecordingEngine(),
+        problems,
+        tmp_path,
+        "s1",
+        long_prompts="skip",
+        dataset=dataset,
+        batch_size=2,
+        mine=range(3, 4),
+    )
     assert "skipped" not in capsys.readouterr().err
     assert rollouts.gather([first, second]).equals(rollouts.gather([whole]))
     with pytest.raises(ValueError, match="none of the 1 rollout shards has a rollout"):
-        rollouts.gather([rollouts_of(RecordingEngine(), problems, tmp_path, "none", long_prompts="skip",
-                                     batch_size=2, mine=range(2, 3))])
+        rollouts.gather(
+            [
+                rollouts_of(
+                    RecordingEngine(), problems, tmp_path, "none", long_prompts="skip", batch_size=2, mine=range(2, 3)
+                )
+            ]
+        )
     with pytest.raises(ValueError, match="rollouts.long_prompts must be one of .*'truncate'"):
         rollouts_of(RecordingEngine(), problems, tmp_path, "bad", long_prompts="truncate")
 
@@ -201,18 +274,24 @@ def test_a_continuation_past_the_context_is_refused_by_pivot_and_key(tmp_path):
     with pytest.raises(ValueError) as err:
         one_pass(engine, tmp_path / "a", context=8)
     message = str(err.value)
-    assert ("configuration c, pass refeed: 1 pivot(s) leave their continuations too few of the 8-position context"
-            in message)
+    assert (
+        "configuration c, pass refeed: 1 pivot(s) leave their continuations too few of the 8-position context"
+        in message
+    )
     assert "pivot p/r0@2 of problem p: 4 prefix tokens + 1 branch token + 4 (replay.max_new_tokens) = 9" in message
     assert "p/r0@1" not in message and "lower replay.max_new_tokens to 3 or less" in message
     assert engine.batches == 0  # refused before any continuation
-    with pytest.raises(ValueError, match=r"2 pivot\(s\).*p/r0@1 of problem p: 3 prefix tokens \+ 1 branch token \+ 6 "
-                                         r"\(replay.probe_tokens\) = 10.*lower replay.probe_tokens to 4 or less"):
+    with pytest.raises(
+        ValueError,
+        match=r"2 pivot\(s\).*p/r0@1 of problem p: 3 prefix tokens \+ 1 branch token \+ 6 "
+        r"\(replay.probe_tokens\) = 10.*lower replay.probe_tokens to 4 or less",
+    ):
         one_pass(CountingEngine(), tmp_path / "b", context=9, probe_tokens=6)
     assert one_pass(CountingEngine(), tmp_path / "c", context=9).equals(one_pass(CountingEngine(), tmp_path / "d"))
 
 
 # --------------------------------------------------------------------------------------------- 5. n_boot minimum
+
 
 @pytest.mark.parametrize("n_boot", [-1, 0, 1, 2, 19])
 def test_too_few_bootstrap_resamples_are_refused_by_name(n_boot, capsys):
@@ -224,6 +303,7 @@ def test_too_few_bootstrap_resamples_are_refused_by_name(n_boot, capsys):
 
 
 # ---------------------------------------------------------------------------------------- 6. damaged scratch
+
 
 def truncate(path: Path) -> None:
     data = path.read_bytes()
@@ -257,21 +337,46 @@ class CountingEngine:
 
     def run_batch(self, requests, source, sampling):
         self.batches += 1
-        return [ContinuationResult(token_ids=[req.seed % 7], finish_reason="stop", verified=True,
-                                   prefix_len=len(req.prefix_ids), next_topk_ids=[1], next_topk_logprobs=[-0.5],
-                                   next_digest="d") for req in requests]
+        return [
+            ContinuationResult(
+                token_ids=[req.seed % 7],
+                finish_reason="stop",
+                verified=True,
+                prefix_len=len(req.prefix_ids),
+                next_topk_ids=[1],
+                next_topk_logprobs=[-0.5],
+                next_digest="d",
+            )
+            for req in requests
+        ]
 
 
-def one_pass(engine, work_dir: Path, **kwargs) -> pl.DataFrame:
-    rollout_rows = pl.DataFrame({"problem_id": ["p"], "rollout": [0], "prompt_ids": [[1, 2]],
-                                 "response_ids": [[3, 4, 5]], "kv_file": [None], "kv_sha256": [None],
-                                 "logits_digests": [["a", "b", "c"]], "gold": ["4"]},
-                                schema_overrides={"kv_file": pl.Utf8, "kv_sha256": pl.Utf8})
-    pivots = pl.DataFrame({"pivot_id": ["p/r0@1", "p/r0@2"], "problem_id": ["p", "p"], "rollout": [0, 0],
-                           "t": [1, 2], "orig_token": [4, 5], "sub_token": [6, 6]})
-    return replay.run_pass(engine, pivots, rollout_rows, pass_name="refeed", config_name="c", seed=1, k=2,
-                           sampling=SamplingSettings(0.7, 1.0, 4), batch_size=3, work_dir=work_dir,
-                           scratch_key="key", **kwargs)
+def one_pass(engine, work_dir: Path, probe_tokens: int = 0, **kwargs) -> pl.DataFrame:
+    rollout_rows = pl.DataFrame(
+        {
+            "problem_id": ["p"],
+            "rollout": [0],
+            "prompt_ids": [[1, 2]],
+            "response_ids": [[3, 4, 5]],
+            "kv_file": [None],
+            "kv_sha256": [None],
+            "logits_digests": [["a", "b", "c"]],
+            "gold": ["4"],
+        },
+        schema_overrides={"kv_file": pl.Utf8, "kv_sha256": pl.Utf8},
+    )
+    pivots = pl.DataFrame(
+        {
+            "pivot_id": ["p/r0@1", "p/r0@2"],
+            "problem_id": ["p", "p"],
+            "rollout": [0, 0],
+            "t": [1, 2],
+            "orig_token": [4, 5],
+            "sub_token": [6, 6],
+        }
+    )
+    job = pass_job("refeed", "c", 1, SamplingSettings(0.7, 1.0, 4), k=2, batch_size=3, probe_tokens=probe_tokens)
+    return replay.run_pass(engine, pivots, rollout_rows, job, work_dir=keyed_scratch(work_dir, "key"), **kwargs)
 
 
 def test_a_truncated_pass_batch_is_named_and_redone_to_the_same_result(tmp_path, capsys):
@@ -312,6 +417,7 @@ def test_a_rename_into_place_is_made_durable(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------- 7. a rebuild into its reference
 
+
 @pytest.mark.parametrize("inside", ["", "analysis", "new/folder"])
 def test_a_rebuild_into_its_own_reference_is_refused(tmp_path, capsys, inside):
     ref = shutil.copytree(REPO / "reference" / "gpu" / "qwen-k8", tmp_path / "qwen-k8")
@@ -323,12 +429,20 @@ def test_a_rebuild_into_its_own_reference_is_refused(tmp_path, capsys, inside):
 
 # ------------------------------------------------------------------------ 8. settings that can give no pivot
 
-@pytest.mark.parametrize("changes, names", [
-    ({"pivots.align_to_block": True, "pivots.block_offsets": [40]},
-     ["pivots.block_offsets", "configs.smollm2-bf16.block_size", "[40]"]),
-    ({"rollouts.per_problem": 1, "rollouts.screen.rule": "mixed"},
-     ["rollouts.screen.rule", "rollouts.per_problem", "at least 2"]),
-])
+
+@pytest.mark.parametrize(
+    "changes, names",
+    [
+        (
+            {"pivots.align_to_block": True, "pivots.block_offsets": [40]},
+            ["pivots.block_offsets", "configs.smollm2-bf16.block_size", "[40]"],
+        ),
+        (
+            {"rollouts.per_problem": 1, "rollouts.screen.rule": "mixed"},
+            ["rollouts.screen.rule", "rollouts.per_problem", "at least 2"],
+        ),
+    ],
+)
 def test_settings_that_cannot_give_a_pivot_are_refused(changes, names):
     config = DEFAULT
     for key, value in changes.items():
@@ -345,6 +459,7 @@ def test_offsets_within_the_block_and_a_mixed_screen_of_several_rollouts_pass():
 
 
 # ------------------------------------------------------------------------------- 9, 11. names that become paths
+
 
 def test_a_configuration_name_ending_in_a_newline_is_refused():
     config = with_setting(DEFAULT, "configs", {"mine\n": DEFAULT["configs"]["smollm2-bf16"]})
@@ -372,17 +487,27 @@ def test_a_local_model_file_with_braces_is_refused_by_key_and_path(tmp_path):
 
 # --------------------------------------------------------------------------- 10. reanalyze checks record fields
 
-GOOD = {"problem_id": 1, "rollout": 0, "abs_pos": 16, "margin": 0.5, "A_exact1": 0.25, "A_exact2": 0.25,
-        "A_refeed": 0.5}
+GOOD = {
+    "problem_id": 1,
+    "rollout": 0,
+    "abs_pos": 16,
+    "margin": 0.5,
+    "A_exact1": 0.25,
+    "A_exact2": 0.25,
+    "A_refeed": 0.5,
+}
 
 
-@pytest.mark.parametrize("pivot, extra, names", [
-    ("not a pivot", [], ["pivot 1", "not an object"]),
-    (GOOD | {"margin": None}, [], ["pivot 1", "'margin'", "None"]),
-    (GOOD | {"abs_pos": "x12"}, [], ["pivot 1", "'abs_pos'", "'x12'"]),
-    (GOOD | {"abs_pos": 17, "A_refeed": float("nan")}, [], ["pivot 1", "A_refeed", "nan", "not a finite number"]),
-    (GOOD | {"abs_pos": 17}, ["--k", "16"], ["--k 16 differs from the K of 8"]),
-])
+@pytest.mark.parametrize(
+    "pivot, extra, names",
+    [
+        ("not a pivot", [], ["pivot 1", "not an object"]),
+        (GOOD | {"margin": None}, [], ["pivot 1", "'margin'", "None"]),
+        (GOOD | {"abs_pos": "x12"}, [], ["pivot 1", "'abs_pos'", "'x12'"]),
+        (GOOD | {"abs_pos": 17, "A_refeed": float("nan")}, [], ["pivot 1", "A_refeed", "nan", "not a finite number"]),
+        (GOOD | {"abs_pos": 17}, ["--k", "16"], ["--k 16 differs from the K of 8"]),
+    ],
+)
 def test_reanalyze_names_the_file_pivot_and_field_of_a_bad_record(tmp_path, capsys, pivot, extra, names):
     records = tmp_path / "bad.json"
     records.write_text(json.dumps({"config": {"k": 8}, "pivots": [GOOD, pivot]}))
@@ -394,6 +519,7 @@ def test_reanalyze_names_the_file_pivot_and_field_of_a_bad_record(tmp_path, caps
 
 # ------------------------------------------------------------------------------------ 13. pass order and hash
 
+
 def test_the_order_of_replay_passes_changes_neither_the_settings_nor_the_hash():
     written = validate_config(with_setting(DEFAULT, "replay.passes", ["refeed", "selector", "exact", "replica"]))
     canonical = validate_config(with_setting(DEFAULT, "replay.passes", ["exact", "replica", "refeed", "selector"]))
@@ -401,8 +527,9 @@ def test_the_order_of_replay_passes_changes_neither_the_settings_nor_the_hash():
     assert analysis_hash(written) == analysis_hash(canonical)
 
 
-@pytest.mark.parametrize("provenance", sorted((REPO / "reference").rglob("provenance.json")),
-                         ids=lambda p: str(p.parent.relative_to(REPO)))
+@pytest.mark.parametrize(
+    "provenance", sorted((REPO / "reference").rglob("provenance.json")), ids=lambda p: str(p.parent.relative_to(REPO))
+)
 def test_every_committed_reference_keeps_its_analysis_hash(provenance):
     recorded = read_json(provenance)
     assert analysis_hash(recorded["config"]) == recorded["analysis_hash"]
@@ -411,6 +538,7 @@ def test_every_committed_reference_keeps_its_analysis_hash(provenance):
 
 
 # ------------------------------------------------------------------ 14. compare across configurations says so
+
 
 def test_compare_across_different_settings_says_first_that_the_analysis_hashes_differ(tmp_path, capsys):
     ref = shutil.copytree(REPO / "reference" / "cpu", tmp_path / "ref")
@@ -421,9 +549,14 @@ def test_compare_across_different_settings_says_first_that_the_analysis_hashes_d
     table = other / "tables" / "headline.csv"
     table.write_text(table.read_text().replace("0.", "1.", 1))
     manifest = other / "MANIFEST.sha256"
-    manifest.write_text("".join(f"{sha256_file(other / line.split(maxsplit=1)[1])}  {line.split(maxsplit=1)[1]}\n"
-                                if line.endswith("tables/headline.csv") else line + "\n"
-                                for line in manifest.read_text().splitlines()))
+    manifest.write_text(
+        "".join(
+            f"{sha256_file(other / line.split(maxsplit=1)[1])}  {line.split(maxsplit=1)[1]}\n"
+            if line.endswith("tables/headline.csv")
+            else line + "\n"
+            for line in manifest.read_text().splitlines()
+        )
+    )
     assert reference.main(["compare", str(ref), str(other)]) == 1
     out = capsys.readouterr().out
     committed = read_json(ref / "provenance.json")["analysis_hash"]
@@ -435,6 +568,7 @@ def test_compare_across_different_settings_says_first_that_the_analysis_hashes_d
 
 # ---------------------------------------------------------------------------- 12, platform: refused up front
 
+
 def test_an_overlay_of_its_own_configs_is_told_the_default_runs_too():
     assert overlay_adds_default_configs([{"configs": {"mine": {}}}]) == ["smollm2-bf16"]
     assert overlay_adds_default_configs([{"configs": {"smollm2-bf16": {}}}]) == []
@@ -445,16 +579,20 @@ def test_a_machine_without_the_gpu_or_vllm_is_named_before_any_job(tmp_path, mon
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     config = validate_config(with_setting(DEFAULT, "configs.smollm2-bf16.device", "cuda:1"))
     (tmp_path / "nvidia0").touch()
-    assert any("configs.smollm2-bf16.device: 'cuda:1'" in p and "1 NVIDIA GPU" in p
-               for p in platform_problems(config, dev=tmp_path))
+    assert any(
+        "configs.smollm2-bf16.device: 'cuda:1'" in p and "1 NVIDIA GPU" in p
+        for p in platform_problems(config, dev=tmp_path)
+    )
     (tmp_path / "nvidia1").touch()
     assert platform_problems(config, dev=tmp_path) == []
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert platform_problems(config, dev=tmp_path)
     vllm = validate_config(with_setting(DEFAULT, "configs.smollm2-bf16.engine", "vllm"))
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    assert any("configs.smollm2-bf16.engine: 'vllm', but vLLM is not installed" in p
-               for p in platform_problems(vllm, dev=tmp_path))
+    assert any(
+        "configs.smollm2-bf16.engine: 'vllm', but vLLM is not installed" in p
+        for p in platform_problems(vllm, dev=tmp_path)
+    )
     assert platform_problems(vllm, conda=True, dev=tmp_path) == []
 
 
@@ -482,24 +620,27 @@ def test_an_overlay_without_replace_workflow_config_warns_at_the_start(tmp_path)
 
 # -------------------------------------------------------------------- 2. every lost output is rebuilt
 
+
 @pytest.mark.slow  # twelve dry runs of the workflow
 def test_every_kind_of_output_lost_between_runs_is_rebuilt_by_the_next_plain_run(tiny_run, tmp_path):
     """--forcerun deletes a step's outputs before running it; Ctrl-C then leaves them missing while everything
     downstream still exists. The next plain run must rebuild each, not say "Nothing to be done"."""
     run = clone_run(tiny_run, tmp_path / "run")
     assert planned_rules(run, TINY) == set()
-    lost = {"results/credit/tiny/refeed.parquet": "compute_credit",
-            "results/credit/tiny/exact.parquet": "compute_credit",
-            "results/pivots/tiny.parquet": "select_pivots",
-            "results/analysis/tiny/channels.csv": "compare_passes",
-            "results/passes/tiny/exact.parquet": "gather_pass",
-            "results/rollouts/tiny/rollouts.parquet": "gather_rollouts",
-            "results/rollouts/tiny/kv.json": "index_kv",
-            "results/analysis/pooled/comparison.json": "compare_pooled",
-            "results/tables/headline.md": "headline_tables",
-            "results/figures/disagreement.pdf": "figure_disagreement",
-            "results/passes/tiny/exact/000.parquet": "replay_exact",
-            "results/cost/cost.csv": "cost_report"}
+    lost = {
+        "results/credit/tiny/refeed.parquet": "compute_credit",
+        "results/credit/tiny/exact.parquet": "compute_credit",
+        "results/pivots/tiny.parquet": "select_pivots",
+        "results/analysis/tiny/channels.csv": "compare_passes",
+        "results/passes/tiny/exact.parquet": "gather_pass",
+        "results/rollouts/tiny/rollouts.parquet": "gather_rollouts",
+        "results/rollouts/tiny/kv.json": "index_kv",
+        "results/analysis/pooled/comparison.json": "compare_pooled",
+        "results/tables/headline.md": "headline_tables",
+        "results/figures/disagreement.pdf": "figure_disagreement",
+        "results/passes/tiny/exact/000.parquet": "replay_exact",
+        "results/cost/cost.csv": "cost_report",
+    }
     for path, rule in lost.items():
         kept = tmp_path / "kept"
         shutil.copy2(run / path, kept)
@@ -509,15 +650,19 @@ def test_every_kind_of_output_lost_between_runs_is_rebuilt_by_the_next_plain_run
 
 
 def test_the_sampling_step_records_the_digest_of_what_it_read(tmp_path, tiny_prepared):
-    data = jsonl(tmp_path / "mine.jsonl", [{"question": f"What is {i} plus 1?", "answer": str(i + 1)}
-                                           for i in range(3)])
-    config = with_setting(with_setting(with_setting(TINY, "dataset.source", "file"), "dataset.path", str(data)),
-                      "dataset.n_problems", 3)
+    data = jsonl(
+        tmp_path / "mine.jsonl", [{"question": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(3)]
+    )
+    config = with_setting(
+        with_setting(with_setting(TINY, "dataset.source", "file"), "dataset.path", str(data)), "dataset.n_problems", 3
+    )
     work = tmp_path / "work"
     seed_model(work, tiny_prepared)
     snakemake(work, config, "results/problems/file-mine.parquet")
     assert read_json(work / "results" / "problems" / "file-mine.read.json") == {
-        "path": str(data), "sha256": sha256_file(data)}
+        "path": str(data),
+        "sha256": sha256_file(data),
+    }
 
 
 @pytest.mark.slow  # three runs of the rollout step

@@ -27,19 +27,35 @@ from replaynoise.io import sha256_file
 #: run in an order Snakemake picks, and scratch shards vanish when their step ends, hence the third column.
 EVENT_KILLS = [
     ("sampling done, rollouts starting", "results/problems/*.parquet", "results/rollouts/tiny/rollouts.parquet"),
-    ("mid-rollouts: first rollout kept", "results/work/tiny/rollouts/*/records/*.parquet",
-     "results/rollouts/tiny/rollouts.parquet"),
-    ("a rollout shard written, its scratch not yet removed", "results/rollouts/tiny/shards/*.parquet",
-     "results/rollouts/tiny/rollouts.parquet"),
+    (
+        "mid-rollouts: first rollout kept",
+        "results/work/tiny/rollouts/*/records/*.parquet",
+        "results/rollouts/tiny/rollouts.parquet",
+    ),
+    (
+        "a rollout shard written, its scratch not yet removed",
+        "results/rollouts/tiny/shards/*.parquet",
+        "results/rollouts/tiny/rollouts.parquet",
+    ),
     ("rollouts gathered", "results/rollouts/tiny/rollouts.parquet", "results/pivots/tiny.parquet"),
     ("pivots written", "results/pivots/tiny.parquet", "results/passes/tiny/*.parquet"),
     # Snakemake interleaves the shards of different passes: a pass with a finished shard is past its first batch
-    *[(f"mid-pass: first {name} batch kept", f"results/work/tiny/{name}/*/batch_*.parquet",
-       f"results/passes/tiny/{name}/*.parquet") for name in ("exact", "refeed", "replica", "selector")],
-    *[(f"a {name} shard written", f"results/passes/tiny/{name}/*.parquet", f"results/passes/tiny/{name}.parquet")
-      for name in ("exact", "refeed")],
-    *[(f"{name} pass gathered", f"results/passes/tiny/{name}.parquet", f"results/credit/tiny/{name}.parquet")
-      for name in ("exact", "refeed", "replica", "selector")],
+    *[
+        (
+            f"mid-pass: first {name} batch kept",
+            f"results/work/tiny/{name}/*/batch_*.parquet",
+            f"results/passes/tiny/{name}/*.parquet",
+        )
+        for name in ("exact", "refeed", "replica", "selector")
+    ],
+    *[
+        (f"a {name} shard written", f"results/passes/tiny/{name}/*.parquet", f"results/passes/tiny/{name}.parquet")
+        for name in ("exact", "refeed")
+    ],
+    *[
+        (f"{name} pass gathered", f"results/passes/tiny/{name}.parquet", f"results/credit/tiny/{name}.parquet")
+        for name in ("exact", "refeed", "replica", "selector")
+    ],
     ("credit computed", "results/credit/tiny/*.parquet", "results/analysis/tiny/comparison.json"),
     ("per-config analysis written", "results/analysis/tiny/comparison.json", "results/tables/headline.csv"),
     ("tables written", "results/tables/headline.csv", "results/MANIFEST.sha256"),
@@ -51,8 +67,9 @@ RESUME_MARK = "resuming,"
 
 #: The kills of the everyday tier, on one pass's path through the long steps (rollouts and a pass, both resumable
 #: from kept shards).
-EXACT_PATH_KILLS = [kill for kill in EVENT_KILLS if kill[0] in ("mid-rollouts: first rollout kept",
-                                                                "mid-pass: first exact batch kept")]
+EXACT_PATH_KILLS = [
+    kill for kill in EVENT_KILLS if kill[0] in ("mid-rollouts: first rollout kept", "mid-pass: first exact batch kept")
+]
 
 
 def start(workdir: Path, *targets: str) -> subprocess.Popen:

@@ -12,12 +12,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import hf_engine
 from tinymodel import Tokenizer, tiny_llama
 
 from replaynoise.config import ConfigError, validate_config
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
-from replaynoise.engines.hf import HFEngine
-from replaynoise.engines.kvfiles import load_kv_file
+from replaynoise.engines.hf.engine import HFEngine
+from replaynoise.engines.hf.kvfiles import load_kv_file
 
 ROLLOUT = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=14)
 CONTINUE = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=10)
@@ -30,7 +31,7 @@ def model():
 
 
 def engine(model, kernels="invariant") -> HFEngine:
-    return HFEngine(model, Tokenizer(), kernels=kernels, decode="static", **SHAPE)
+    return hf_engine(model, Tokenizer(), kernels=kernels, decode="static", **SHAPE)
 
 
 def requests() -> list[RolloutRequest]:
@@ -44,10 +45,22 @@ def keep_all(r) -> int:
 
 def continuation_rows(rollouts) -> list[ContinuationRequest]:
     """Two rows (other seeds) at every interior position of every rollout: a pivot's rows share its prefix."""
-    return [ContinuationRequest(pivot_id=f"{r.problem_id}.r{r.rollout}@{t}", branch="orig", k=k, seed=7 * t + k,
-                                prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]), branch_token=r.response_ids[t],
-                                kv_file=r.kv_file, kv_sha256=r.kv_sha256, expected_digest=r.logits_digests[t])
-            for r in rollouts for t in range(1, len(r.response_ids) - 1) for k in (0, 1)]
+    return [
+        ContinuationRequest(
+            pivot_id=f"{r.problem_id}.r{r.rollout}@{t}",
+            branch="orig",
+            k=k,
+            seed=7 * t + k,
+            prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]),
+            branch_token=r.response_ids[t],
+            kv_file=r.kv_file,
+            kv_sha256=r.kv_sha256,
+            expected_digest=r.logits_digests[t],
+        )
+        for r in rollouts
+        for t in range(1, len(r.response_ids) - 1)
+        for k in (0, 1)
+    ]
 
 
 def channels(results) -> list[tuple]:
@@ -58,7 +71,7 @@ def run(eng: HFEngine, rows: list[ContinuationRequest], source: str, batch: int)
     """The rows in batches of ``batch``, results by (pivot, k)."""
     out = {}
     for start in range(0, len(rows), batch):
-        chunk = rows[start:start + batch]
+        chunk = rows[start : start + batch]
         for req, res in zip(chunk, eng.run_batch(chunk, source, CONTINUE)):
             out[(req.pivot_id, req.k)] = res
     return out
@@ -73,8 +86,9 @@ def test_invariant_rollouts_do_not_depend_on_their_batch(model, made, tmp_path):
     alone = [engine(model).generate_rollouts([req], ROLLOUT, tmp_path, keep_all)[0] for req in requests()[::-1]]
     for a, b in zip(made, alone[::-1]):
         assert a.response_ids == b.response_ids and a.logits_digests == b.logits_digests
-        (layers_a, ids_a), (layers_b, ids_b) = load_kv_file(a.kv_file), load_kv_file(b.kv_file)
-        assert ids_a == ids_b == (a.prompt_ids + a.response_ids)[:a.kv_len]
+        layers_a, ids_a = load_kv_file(a.kv_file, device="cpu")
+        layers_b, ids_b = load_kv_file(b.kv_file, device="cpu")
+        assert ids_a == ids_b == (a.prompt_ids + a.response_ids)[: a.kv_len]
         assert all(torch.equal(ka, kb) and torch.equal(va, vb) for (ka, va), (kb, vb) in zip(layers_a, layers_b))
 
 
@@ -98,7 +112,7 @@ def test_stock_batching_does_move_these_numbers(model, made):
     """The control: the same rows under stock kernels (left-padded prefill, shapes by batch) differ from the
     invariant decode's exact pass, so the test above can fail."""
     rows = continuation_rows(made)
-    stock = HFEngine(model, Tokenizer(), kernels="stock", decode="static")
+    stock = hf_engine(model, Tokenizer(), kernels="stock", decode="static")
     refeed = run(stock, rows, "refeed_ids", batch=16)
     exact = run(engine(model), rows, "decode_kv", batch=16)
     keys = sorted(exact)
@@ -114,28 +128,53 @@ def test_a_prefix_that_does_not_fit_the_invariant_shape_is_refused_by_name(model
 
 
 def test_an_invariant_configuration_gets_its_one_decoder_shape_filled_in():
-    config = validate_config({"configs": {"inv": {"model": "smollm2-135m", "kernels": "invariant", "device": "cuda",
-                                                  "max_new_tokens": 100},
-                                          "cpu": {"model": "smollm2-135m", "kernels": "invariant"},
-                                          "static": {"model": "smollm2-135m", "kernels": "invariant",
-                                                     "decode": "static"},
-                                          "stock": {"model": "smollm2-135m", "device": "cuda"}},
-                              "replay": {"max_new_tokens": 200}})
+    config = validate_config(
+        {
+            "configs": {
+                "inv": {"model": "smollm2-135m", "kernels": "invariant", "device": "cuda", "max_new_tokens": 100},
+                "cpu": {"model": "smollm2-135m", "kernels": "invariant"},
+                "static": {"model": "smollm2-135m", "kernels": "invariant", "decode": "static"},
+                "stock": {"model": "smollm2-135m", "device": "cuda"},
+            },
+            "replay": {"max_new_tokens": 200},
+        }
+    )
     assert config["configs"]["inv"]["invariant_rows"] == 64
     assert config["configs"]["inv"]["invariant_context"] == 1024  # 100 + 200 + 512, rounded up to 256
     assert config["configs"]["static"]["invariant_context"] == 768  # 40 + 200 + 512
     # decoded dynamically (auto on a CPU) or stock: nothing added, so their analysis hash stays what it was
     assert "invariant_rows" not in config["configs"]["cpu"] and "invariant_rows" not in config["configs"]["stock"]
-    given = validate_config({"configs": {"inv": {"model": "smollm2-135m", "kernels": "invariant", "device": "cuda",
-                                                 "invariant_rows": 8, "invariant_context": 320}}})
+    given = validate_config(
+        {
+            "configs": {
+                "inv": {
+                    "model": "smollm2-135m",
+                    "kernels": "invariant",
+                    "device": "cuda",
+                    "invariant_rows": 8,
+                    "invariant_context": 320,
+                }
+            }
+        }
+    )
     assert (given["configs"]["inv"]["invariant_rows"], given["configs"]["inv"]["invariant_context"]) == (8, 320)
     with pytest.raises(ConfigError, match="configs.inv.invariant_context: 256 slots"):
-        validate_config({"configs": {"inv": {"model": "smollm2-135m", "kernels": "invariant", "decode": "static",
-                                             "max_new_tokens": 200, "invariant_context": 256}},
-                         "replay": {"max_new_tokens": 100}})
+        validate_config(
+            {
+                "configs": {
+                    "inv": {
+                        "model": "smollm2-135m",
+                        "kernels": "invariant",
+                        "decode": "static",
+                        "max_new_tokens": 200,
+                        "invariant_context": 256,
+                    }
+                },
+                "replay": {"max_new_tokens": 100},
+            }
+        )
     with pytest.raises(ConfigError, match="invariant_rows"):
-        validate_config({"configs": {"inv": {"model": "smollm2-135m", "kernels": "invariant",
-                                             "invariant_rows": 0}}})
+        validate_config({"configs": {"inv": {"model": "smollm2-135m", "kernels": "invariant", "invariant_rows": 0}}})
 
 
 def test_prefill_refuses_more_rows_than_the_shape_or_an_empty_prefix_by_name(model):

@@ -12,27 +12,81 @@ from replaynoise.provenance import import_closure, package_imports, source_diges
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "replaynoise"
+#: The subpackages, bottom to top: a module may import from its own subpackage or one below, never from one above.
+#: "" is the package's ground floor (io, settings, ...); the top floor holds what sits above every subpackage (the
+#: configuration, the plan of outputs, provenance and the commands a reviewer runs).
+SUBPACKAGES = ["", "data", "engines", "generation", "analysis", "report", "top"]
+TOP = {
+    "config_checks",
+    "config",
+    "plan",
+    "machine",
+    "provenance",
+    "snapshots",
+    "paper_records",
+    "reference",
+    "reanalyze",
+    "power",
+}
 #: Bottom to top. A module may import only modules of earlier layers (or of its own package's base).
 LAYERS = [
-    ["io", "logs", "overlays", "progress", "seeds", "shards", "passes", "disagreement", "summary"],
-    ["stats", "conditionings", "packages", "plan", "grading", "prompts", "training_log", "pivots", "credit", "cost",
-     "channels", "engines.sampling", "engines.base"],
-    ["datasets", "loading", "settings", "crossed"],
-    ["models", "engines.kvfiles", "engines.cpu_matmul", "engines.kernels", "engines.vllm", "engines.vllm_build"],
-    ["engines.static"],
-    ["engines.states"],
-    ["engines.hf_forwards"],
-    ["engines.hf_modes"],
-    ["engines.hf", "config", "rollouts", "replay", "analysis", "controls", "training"],
-    ["machine"],
-    ["engines", "tables", "figures", "provenance", "mismatch", "pooling"],
-    ["control_report", "cross", "training_report"],
+    # the subpackages' own __init__ modules hold their docstrings and import nothing
+    [
+        "io",
+        "logs",
+        "overlays",
+        "progress",
+        "seeds",
+        "settings",
+        "data",
+        "engines.hf",
+        "engines.vllm",
+        "generation",
+        "analysis",
+        "report",
+    ],
+    ["data.grading", "data.prompts", "data.packages"],
+    ["data.benchmarks"],
+    ["data.datasets", "data.loading"],
+    ["data.models"],
+    ["data.preparation"],
+    [
+        "engines.base",
+        "engines.sampling",
+        "engines.hf.cpu_matmul",
+        "engines.vllm.build",
+        "engines.hf.settings",
+        "engines.vllm.settings",
+    ],
+    ["engines.hf.kvfiles", "engines.hf.kernels", "engines.hf.records", "engines.vllm.recipes", "engines.registry"],
+    ["engines.hf.static", "engines.vllm.engine"],
+    ["engines.hf.states"],
+    ["engines.hf.forwards"],
+    ["engines.hf.modes"],
+    ["engines.hf.invariant_modes"],
+    ["engines.hf.engine"],
+    ["engines"],
+    ["generation.passes", "generation.shards", "generation.pivots", "generation.training_log"],
+    ["generation.continuations"],
+    ["generation.rollouts", "generation.replay", "generation.training"],
+    ["analysis.disagreement", "analysis.groups", "analysis.credit", "analysis.channels", "analysis.conditionings"],
+    ["analysis.paper_stats"],
+    ["analysis.replicated", "analysis.prefix_mismatch", "analysis.probes"],
+    ["analysis.comparison", "analysis.controls"],
+    ["analysis.pooling", "analysis.cross_scoring"],
+    ["report.summary", "report.cost", "report.drawing", "report.headline"],
+    ["report.tables", "report.figures"],
+    ["report.credit_figures"],
+    ["report.plots"],
+    ["report.controls", "report.training"],
+    ["config_checks"],
+    ["config", "plan"],
+    ["machine", "provenance", "snapshots", "paper_records"],
     ["reference", "reanalyze", "power"],
 ]
 #: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when
 #: chosen, so that importing the engine interface (the passes, the analysis) never loads torch or vLLM.
-LAZY = {("engines", "engines.hf"), ("engines", "engines.vllm"), ("engines", "engines.vllm_build"),
-        ("engines", "loading")}
+LAZY: set[tuple[str, str]] = set()  # the engine factory imports an engine by name (engines.registry), no statement
 
 
 def module_name(path: Path) -> str:
@@ -69,6 +123,25 @@ def test_a_module_imports_only_lower_layers_and_only_at_the_top(module):
     assert {(module, name) for name in inner} <= LAZY, f"{module} imports {sorted(inner)} inside a function"
 
 
+def subpackage(module: str) -> str:
+    """The floor a module lives on: its subpackage, the ground floor, or the top."""
+    if module in TOP:
+        return "top"
+    head = module.split(".")[0]
+    return head if head in SUBPACKAGES else ""
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_the_subpackages_are_floors_a_module_imports_from_its_own_or_lower(module):
+    """The folders show the layers: data below engines below generation below analysis below report below the
+    configuration and the reviewer's commands. (The engines' package imports the engine it is asked for and the
+    model loader inside its factory, the one lazy import.)"""
+    rank = {name: i for i, name in enumerate(SUBPACKAGES)}
+    top, inner = internal_imports(MODULES[module])
+    for name in top | (inner - {n for m, n in LAZY if m == module}):
+        assert rank[subpackage(name)] <= rank[subpackage(module)], f"{module} imports {name} from a floor above"
+
+
 def test_the_bottom_module_imports_nothing_of_the_package():
     assert internal_imports(MODULES["io"]) == (set(), set())
 
@@ -92,9 +165,19 @@ def test_a_step_s_code_version_follows_its_script_s_imports(tmp_path):
 @pytest.mark.parametrize("script", ["figure", "headline_tables"])
 def test_figure_and_table_steps_do_not_load_the_statistics(script):
     """A figure or table job selects pivots (conditionings) and counts disagreements (disagreement) without
-    importing stats or analysis, whose statsmodels and scipy imports would double the job's start-up."""
-    closure = {path.name for path in import_closure(REPO / "workflow" / "scripts" / f"{script}.py", REPO)}
-    assert not closure & {"stats.py", "analysis.py", "mismatch.py"}, sorted(closure)
+    importing the statistics (paper_stats, comparison, replicated, prefix_mismatch), whose statsmodels and scipy
+    imports would double the job's start-up."""
+    closure = {
+        path.relative_to(REPO).as_posix()
+        for path in import_closure(REPO / "workflow" / "scripts" / f"{script}.py", REPO)
+    }
+    statistics = {
+        f"replaynoise/analysis/{name}.py"
+        for name in ("paper_stats", "comparison", "replicated", "prefix_mismatch", "probes")
+    }
+    assert all((REPO / path).is_file() for path in statistics)  # the names are the modules' own
+    assert "replaynoise/report/figures.py" in closure or "replaynoise/report/tables.py" in closure
+    assert not closure & statistics, sorted(closure)
 
 
 def _dataclass_fields() -> dict[str, tuple[str, ...]]:
@@ -103,10 +186,12 @@ def _dataclass_fields() -> dict[str, tuple[str, ...]]:
     for module, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
             decorated = isinstance(node, ast.ClassDef) and any(
-                "dataclass" in ast.unparse(d) for d in node.decorator_list)
+                "dataclass" in ast.unparse(d) for d in node.decorator_list
+            )
             if decorated:
-                fields = tuple(s.target.id for s in node.body
-                               if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name))
+                fields = tuple(
+                    s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                )
                 found[f"{module}.{node.name}"] = fields
     return found
 
@@ -115,7 +200,11 @@ def test_no_record_type_is_defined_twice():
     """A dataclass whose fields open with all of another's (three or more) repeats that type instead of
     deriving from it: a pinned wheel member was once written out in models.py and again in datasets.py."""
     fields = _dataclass_fields()
-    repeated = [(a, b) for a, fa in fields.items() for b, fb in fields.items()
-                if a != b and len(fa) >= 3 and fb[:len(fa)] == fa]
+    repeated = [
+        (a, b)
+        for a, fa in fields.items()
+        for b, fb in fields.items()
+        if a != b and len(fa) >= 3 and fb[: len(fa)] == fa
+    ]
     assert not repeated
-    assert "packages.PinnedMember" in fields
+    assert "data.packages.PinnedMember" in fields

@@ -10,13 +10,14 @@ import shutil
 
 import pytest
 import torch
-from helpers import PACKAGES
+from helpers import PACKAGES, hf_engine
 from safetensors.torch import load_file, save_file
 
-from replaynoise import loading
+from replaynoise.data import loading
+from replaynoise.data.loading import check_local_model_dir, load_model, load_tokenizer, model_weights_dir
+from replaynoise.data.models import PACKAGED_MODELS, model_source_files
+from replaynoise.data.preparation import assemble_gguf, check_tokenizer, prepare_model
 from replaynoise.io import ChecksumError, sha256_file
-from replaynoise.loading import check_local_model_dir, load_model, load_tokenizer, model_weights_dir
-from replaynoise.models import PACKAGED_MODELS, assemble_gguf, check_tokenizer, model_source_files, prepare_model
 
 
 class Unmerged:
@@ -40,8 +41,11 @@ class Unmerged:
 def test_a_tokenizer_that_does_not_merge_is_refused_by_name(smollm2_dir):
     tokenizer = load_tokenizer(model_weights_dir(smollm2_dir))
     check_tokenizer(tokenizer, "packaged")  # the real one merges
-    with pytest.raises(ValueError, match=r"where: the tokenizer spells ' the' as \[\d+, \d+, \d+, \d+\], though "
-                                         r"token 260 is that word: it does not merge .*transformers 5\."):
+    with pytest.raises(
+        ValueError,
+        match=r"where: the tokenizer spells ' the' as \[\d+, \d+, \d+, \d+\], though "
+        r"token 260 is that word: it does not merge .*transformers 5\.",
+    ):
         check_tokenizer(Unmerged(tokenizer), "where")
 
 
@@ -49,7 +53,7 @@ def test_packaged_model_prepares_offline_with_chat_template(smollm2_dir):
     info = json.loads((smollm2_dir / "replaynoise-model.json").read_text())
     assert info["origin"]["gguf_sha256"] == PACKAGED_MODELS["smollm2-135m"].gguf_sha256
     assert list(smollm2_dir.glob("*.safetensors")) and not list(smollm2_dir.glob("*.bin"))
-    model, tokenizer = load_model(smollm2_dir, "bfloat16")
+    model, tokenizer = load_model(smollm2_dir, "bfloat16", device="cpu")
     assert model.config.num_hidden_layers == 30
     assert "<|im_start|>" in tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False)
 
@@ -99,7 +103,7 @@ def test_local_directory_is_used_as_is_and_fingerprinted(tiny_model, tmp_path):
     info = prepare_model(str(tiny_model), "bfloat16", tmp_path / "local", tmp_path / "cache")
     assert info["origin"]["kind"] == "local"
     assert set(info["origin"]["weights_sha256"]) == {p.name for p in tiny_model.glob("*.safetensors")}
-    model, _ = load_model(tmp_path / "local", "bfloat16")
+    model, _ = load_model(tmp_path / "local", "bfloat16", device="cpu")
     assert model.config.num_hidden_layers == 2
 
 
@@ -131,7 +135,7 @@ def test_edited_local_weights_are_refused_when_the_prepared_model_loads(tiny_mod
     with pytest.raises(ChecksumError, match=r"model\.safetensors \(changed since .*prepared.*prepare_model"):
         model_weights_dir(tmp_path / "prepared")
     with pytest.raises(ChecksumError):
-        load_model(tmp_path / "prepared", "bfloat16")
+        load_model(tmp_path / "prepared", "bfloat16", device="cpu")
 
 
 def test_unchanged_local_weights_are_not_hashed_again_and_touched_ones_are(tiny_model, tmp_path, monkeypatch):
@@ -151,8 +155,10 @@ def test_unchanged_local_weights_are_not_hashed_again_and_touched_ones_are(tiny_
 def test_local_model_with_zero_filled_weights_is_refused_when_prepared(tiny_model, tmp_path):
     source = linked_model(tiny_model, tmp_path / "zeros", copy=())
     (source / "model.safetensors").unlink()
-    save_file({k: torch.zeros_like(v) for k, v in load_file(tiny_model / "model.safetensors").items()},
-              source / "model.safetensors")
+    save_file(
+        {k: torch.zeros_like(v) for k, v in load_file(tiny_model / "model.safetensors").items()},
+        source / "model.safetensors",
+    )
     with pytest.raises(ValueError, match=r"zeros: every next-token logit is equal .*degenerate"):
         prepare_model(str(source), "bfloat16", tmp_path / "out", tmp_path / "cache")
     assert not (tmp_path / "out").exists()
@@ -196,18 +202,29 @@ def gemma_dir(tmp_path):
 def test_gemma_base_model_prepares_and_resumes_bitwise(gemma_dir, tmp_path):
     """The second packaged model: a base model (no chat template) with sliding-window layers."""
     from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
-    from replaynoise.engines.hf import HFEngine
-    from replaynoise.rollouts import prompt_ids
+    from replaynoise.generation.rollouts import prompt_ids
 
-    model, tokenizer = load_model(gemma_dir, "bfloat16")
+    model, tokenizer = load_model(gemma_dir, "bfloat16", device="cpu")
     assert not tokenizer.chat_template
-    engine = HFEngine(model, tokenizer)
+    engine = hf_engine(model, tokenizer)
     ids = prompt_ids(tokenizer, "Tom has 3 apples and buys 4 more. How many apples does he have?", "plain", "")
-    (rollout,) = engine.generate_rollouts([RolloutRequest("g", tuple(ids), 3)], SamplingSettings(0.7, 1.0, 12),
-                                          tmp_path / "kv", lambda r: len(r.prompt_ids) + len(r.response_ids) - 1)
+    (rollout,) = engine.generate_rollouts(
+        [RolloutRequest("g", tuple(ids), 3)],
+        SamplingSettings(0.7, 1.0, 12),
+        tmp_path / "kv",
+        lambda r: len(r.prompt_ids) + len(r.response_ids) - 1,
+    )
     assert len(rollout.response_ids) >= 2
     for t in range(1, len(rollout.response_ids)):
-        req = ContinuationRequest(f"g@{t}", "orig", 0, 1, tuple(ids + rollout.response_ids[:t]),
-                                  rollout.response_ids[t], rollout.kv_file, rollout.kv_sha256,
-                                  rollout.logits_digests[t])
+        req = ContinuationRequest(
+            f"g@{t}",
+            "orig",
+            0,
+            1,
+            tuple(ids + rollout.response_ids[:t]),
+            rollout.response_ids[t],
+            rollout.kv_file,
+            rollout.kv_sha256,
+            rollout.logits_digests[t],
+        )
         assert engine.prefix_state(req, "decode_kv").verified, f"position {t}"

@@ -8,7 +8,7 @@ import math
 import polars as pl
 import pytest
 
-from replaynoise.pivots import (
+from replaynoise.generation.pivots import (
     PIVOT_SCHEMA,
     PivotRules,
     candidate_positions,
@@ -44,9 +44,15 @@ def base_response(n: int = 4) -> dict:
 
 
 def candidates(r: dict, **rules) -> list[int]:
-    return candidate_positions(r["response_ids"], r["topk_ids"], r["topk_logprobs"], r["special_ids"],
-                               r["answer_span"], PivotRules(max_margin=r["max_margin"], **rules),
-                               prompt_len=r.get("prompt_len", 0))
+    return candidate_positions(
+        r["response_ids"],
+        r["topk_ids"],
+        r["topk_logprobs"],
+        r["special_ids"],
+        r["answer_span"],
+        PivotRules(max_margin=r["max_margin"], **rules),
+        prompt_len=r.get("prompt_len", 0),
+    )
 
 
 # --- candidate_positions --------------------------------------------------------------------------------------
@@ -134,11 +140,11 @@ def test_answer_span_is_half_open():
 
 def test_rules_combine():
     r = base_response(8)
-    _wide_margin(r)                                 # t=2 out
-    r["response_ids"][3] = r["topk_ids"][3][1]       # t=3 sampled top-2: in
-    r["topk_ids"][4][1] = SPECIAL                    # t=4 out
-    r["response_ids"][5] = 999                       # t=5 out
-    r["answer_span"] = (7, 8)                        # t=7 out
+    _wide_margin(r)  # t=2 out
+    r["response_ids"][3] = r["topk_ids"][3][1]  # t=3 sampled top-2: in
+    r["topk_ids"][4][1] = SPECIAL  # t=4 out
+    r["response_ids"][5] = 999  # t=5 out
+    r["answer_span"] = (7, 8)  # t=7 out
     assert candidates(r) == [1, 3, 6]
 
 
@@ -191,33 +197,55 @@ def test_unknown_choice_is_refused():
 # --- select_pivots --------------------------------------------------------------------------------------------
 
 ROLLOUT_SCHEMA = {
-    "problem_id": pl.Utf8, "prompt_ids": pl.List(pl.Int64), "response_ids": pl.List(pl.Int64),
-    "topk_ids": pl.List(pl.List(pl.Int64)), "topk_logprobs": pl.List(pl.List(pl.Float64)),
-    "special_ids": pl.List(pl.Int64), "answer_span": pl.List(pl.Int64), "correct": pl.Boolean,
+    "problem_id": pl.Utf8,
+    "prompt_ids": pl.List(pl.Int64),
+    "response_ids": pl.List(pl.Int64),
+    "topk_ids": pl.List(pl.List(pl.Int64)),
+    "topk_logprobs": pl.List(pl.List(pl.Float64)),
+    "special_ids": pl.List(pl.Int64),
+    "answer_span": pl.List(pl.Int64),
+    "correct": pl.Boolean,
 }
 
 
 def rollouts_frame() -> pl.DataFrame:
     wide = logprobs(0.7, 0.2, 0.1)
     rows = [
-        {   # p1: candidates at t=1 (sampled top-1) and t=3 (sampled top-2); t=2 wide; t=4 in the answer span
-            "problem_id": "p1", "prompt_ids": [1, 2, 3, 4, 5], "response_ids": [10, 11, 12, 23, 14],
+        {  # p1: candidates at t=1 (sampled top-1) and t=3 (sampled top-2); t=2 wide; t=4 in the answer span
+            "problem_id": "p1",
+            "prompt_ids": [1, 2, 3, 4, 5],
+            "response_ids": [10, 11, 12, 23, 14],
             "topk_ids": [[10, 20, 30], [11, 21, 31], [12, 22, 32], [13, 23, 33], [14, 24, 34]],
-            "topk_logprobs": [logprobs(0.5, 0.4, 0.1), logprobs(0.5, 0.4, 0.1), wide, logprobs(0.45, 0.35, 0.2),
-                              logprobs(0.5, 0.45, 0.05)],
-            "special_ids": [0, 2], "answer_span": [4, 5], "correct": True,
+            "topk_logprobs": [
+                logprobs(0.5, 0.4, 0.1),
+                logprobs(0.5, 0.4, 0.1),
+                wide,
+                logprobs(0.45, 0.35, 0.2),
+                logprobs(0.5, 0.45, 0.05),
+            ],
+            "special_ids": [0, 2],
+            "answer_span": [4, 5],
+            "correct": True,
         },
-        {   # p2: no candidate (top-2 at t=1 is special, t=2 wide)
-            "problem_id": "p2", "prompt_ids": [1, 2], "response_ids": [10, 11, 12],
+        {  # p2: no candidate (top-2 at t=1 is special, t=2 wide)
+            "problem_id": "p2",
+            "prompt_ids": [1, 2],
+            "response_ids": [10, 11, 12],
             "topk_ids": [[10, 20, 30], [11, 0, 31], [12, 22, 32]],
             "topk_logprobs": [logprobs(0.5, 0.4, 0.1), logprobs(0.5, 0.4, 0.1), wide],
-            "special_ids": [0], "answer_span": None, "correct": False,
+            "special_ids": [0],
+            "answer_span": None,
+            "correct": False,
         },
-        {   # p3: seven candidates (t=1..7), more than per_rollout
-            "problem_id": "p3", "prompt_ids": [7, 7, 7], "response_ids": [40 + t for t in range(8)],
+        {  # p3: seven candidates (t=1..7), more than per_rollout
+            "problem_id": "p3",
+            "prompt_ids": [7, 7, 7],
+            "response_ids": [40 + t for t in range(8)],
             "topk_ids": [[40 + t, 60 + t, 80 + t] for t in range(8)],
             "topk_logprobs": [logprobs(0.42 + 0.01 * t, 0.40, 0.1) for t in range(8)],
-            "special_ids": [0], "answer_span": None, "correct": False,
+            "special_ids": [0],
+            "answer_span": None,
+            "correct": False,
         },
     ]
     return pl.DataFrame(rows, schema=ROLLOUT_SCHEMA)
@@ -233,12 +261,32 @@ def test_select_pivots_rows_for_hand_built_rollouts():
     assert out.schema == pl.Schema(PIVOT_SCHEMA)
     p1 = out.filter(pl.col("problem_id") == "p1").to_dicts()
     assert p1 == [
-        {"pivot_id": "p1/r0@1", "problem_id": "p1", "rollout": 0, "t": 1, "margin": pytest.approx(0.1),
-         "rollout_correct": True, "prefix_len": 6, "orig_token": 11, "sub_token": 21, "sampled_rank": 0,
-         "n_candidates": 2},
-        {"pivot_id": "p1/r0@3", "problem_id": "p1", "rollout": 0, "t": 3, "margin": pytest.approx(0.1),
-         "rollout_correct": True, "prefix_len": 8, "orig_token": 23, "sub_token": 13, "sampled_rank": 1,
-         "n_candidates": 2},
+        {
+            "pivot_id": "p1/r0@1",
+            "problem_id": "p1",
+            "rollout": 0,
+            "t": 1,
+            "margin": pytest.approx(0.1),
+            "rollout_correct": True,
+            "prefix_len": 6,
+            "orig_token": 11,
+            "sub_token": 21,
+            "sampled_rank": 0,
+            "n_candidates": 2,
+        },
+        {
+            "pivot_id": "p1/r0@3",
+            "problem_id": "p1",
+            "rollout": 0,
+            "t": 3,
+            "margin": pytest.approx(0.1),
+            "rollout_correct": True,
+            "prefix_len": 8,
+            "orig_token": 23,
+            "sub_token": 13,
+            "sampled_rank": 1,
+            "n_candidates": 2,
+        },
     ]
     assert out.filter(pl.col("problem_id") == "p2").height == 0
     p3 = out.filter(pl.col("problem_id") == "p3")
@@ -286,8 +334,13 @@ def test_select_pivots_does_not_change_its_input():
 
 # --- the paper's rules ----------------------------------------------------------------------------------------
 
-PAPER = dict(margin_metric="logprob_gap", substitute="best_other", exclude_special="substitute",
-             exclude_answer_span=False, min_position=0)
+PAPER = dict(
+    margin_metric="logprob_gap",
+    substitute="best_other",
+    exclude_special="substitute",
+    exclude_answer_span=False,
+    min_position=0,
+)
 
 
 def test_logprob_gap_is_in_nats_and_a_tie_is_a_candidate():
@@ -308,11 +361,28 @@ def test_best_other_allows_any_sampled_rank_and_picks_the_best_other_token():
     _sampled_third(r)
     assert 2 not in candidates(r, margin_metric="logprob_gap")  # ours: the sampled token must be top-2
     assert 2 in candidates(r, **PAPER)
-    frame = pl.DataFrame([{"problem_id": "p", "prompt_ids": [1], "response_ids": r["response_ids"],
-                           "topk_ids": r["topk_ids"], "topk_logprobs": r["topk_logprobs"], "special_ids": [SPECIAL],
-                           "answer_span": None, "correct": True}], schema=ROLLOUT_SCHEMA)
-    out = select_pivots(frame, PivotRules(max_margin=1.0, per_rollout=5, choose="earliest", **PAPER), seed=1,
-                        config_name="c").filter(pl.col("t") == 2).row(0, named=True)
+    frame = pl.DataFrame(
+        [
+            {
+                "problem_id": "p",
+                "prompt_ids": [1],
+                "response_ids": r["response_ids"],
+                "topk_ids": r["topk_ids"],
+                "topk_logprobs": r["topk_logprobs"],
+                "special_ids": [SPECIAL],
+                "answer_span": None,
+                "correct": True,
+            }
+        ],
+        schema=ROLLOUT_SCHEMA,
+    )
+    out = (
+        select_pivots(
+            frame, PivotRules(max_margin=1.0, per_rollout=5, choose="earliest", **PAPER), seed=1, config_name="c"
+        )
+        .filter(pl.col("t") == 2)
+        .row(0, named=True)
+    )
     assert (out["orig_token"], out["sub_token"], out["sampled_rank"]) == (302, 102, 2)
 
 
@@ -352,14 +422,22 @@ def test_answer_span_is_excluded_only_under_our_rule():
 
 
 def test_mixed_screen_keeps_the_fixed_cohort_then_mixed_problems_up_to_keep():
-    rows = [("a", [True, True]), ("b", [False, False]), ("c", [True, True]), ("d", [True, False]),
-            ("e", [False, False]), ("f", [False, True]), ("g", [True, False])]
-    frame = pl.DataFrame([{"problem_id": pid, "rollout": r, "correct": c} for pid, cs in rows
-                          for r, c in enumerate(cs)])
-    assert screened_problems(frame, "none", 0, None) == list("abcdefg")
-    assert screened_problems(frame, "mixed", 2, 2) == ["a", "b", "d", "f"]
-    assert screened_problems(frame, "mixed", 0, None) == ["d", "f", "g"]
-    assert screened_problems(frame, "mixed", 0, 2, skip=4) == ["f", "g"]  # scans from the fifth problem
+    rows = [
+        ("a", [True, True]),
+        ("b", [False, False]),
+        ("c", [True, True]),
+        ("d", [True, False]),
+        ("e", [False, False]),
+        ("f", [False, True]),
+        ("g", [True, False]),
+    ]
+    frame = pl.DataFrame(
+        [{"problem_id": pid, "rollout": r, "correct": c} for pid, cs in rows for r, c in enumerate(cs)]
+    )
+    assert screened_problems(frame, "none", 0, None, 0) == list("abcdefg")
+    assert screened_problems(frame, "mixed", 2, 2, 0) == ["a", "b", "d", "f"]
+    assert screened_problems(frame, "mixed", 0, None, 0) == ["d", "f", "g"]
+    assert screened_problems(frame, "mixed", 0, 2, 4) == ["f", "g"]  # scans from the fifth problem
 
 
 def test_pivots_of_several_rollouts_per_problem_are_told_apart():

@@ -10,13 +10,13 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from helpers import TINY_ON_SMOLLM2, clone_run, snakemake
+from helpers import TINY_ON_SMOLLM2, clone_run, hf_engine, snakemake
 from tinymodel import VOCAB, Tokenizer, tiny_llama
 
+from replaynoise.analysis.prefix_mismatch import METRICS, credit_link, mismatch_rows, mismatch_summary, token_metrics
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
-from replaynoise.engines.hf import HFEngine
+from replaynoise.engines.hf.engine import HFEngine
 from replaynoise.io import read_json, read_parquet
-from replaynoise.mismatch import METRICS, credit_link, mismatch_rows, mismatch_summary, token_metrics
 
 ROLLOUT = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=14)
 CONTINUE = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=6)
@@ -26,6 +26,7 @@ PATHS = [("stock", "dynamic"), ("stock", "static"), ("invariant", "dynamic"), ("
 
 
 # ------------------------------------------------------------------------------------------------ metrics
+
 
 def test_each_metric_matches_its_direct_formula():
     decode = np.array([-0.1, -2.3, -0.7, -4.0, -0.01])
@@ -58,13 +59,14 @@ def test_metrics_are_zero_on_identical_log_probs_and_undefined_where_they_must_b
 
 # ------------------------------------------------------------------------------------------------ engines
 
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama(torch.bfloat16)
 
 
 def engine(model, kernels: str, decode: str) -> HFEngine:
-    return HFEngine(model, Tokenizer(), kernels=kernels, decode=decode, topk=VOCAB, **SHAPE)
+    return hf_engine(model, Tokenizer(), kernels=kernels, decode=decode, topk=VOCAB, **SHAPE)
 
 
 def made(eng: HFEngine, kv_dir):
@@ -74,11 +76,24 @@ def made(eng: HFEngine, kv_dir):
 
 def rows_of(rollouts, scored: bool) -> list[ContinuationRequest]:
     """Two rows per pivot, at every interior position; the first row of each pivot measures it."""
-    return [ContinuationRequest(pivot_id=f"{r.problem_id}@{t}", branch="orig", k=k, seed=7 * t + k,
-                                prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]), branch_token=r.response_ids[t],
-                                kv_file=r.kv_file, kv_sha256=r.kv_sha256, expected_digest=r.logits_digests[t],
-                                restep=k == 0, response_start=len(r.prompt_ids) if scored else None)
-            for r in rollouts for t in range(1, len(r.response_ids) - 1) for k in (0, 1)]
+    return [
+        ContinuationRequest(
+            pivot_id=f"{r.problem_id}@{t}",
+            branch="orig",
+            k=k,
+            seed=7 * t + k,
+            prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]),
+            branch_token=r.response_ids[t],
+            kv_file=r.kv_file,
+            kv_sha256=r.kv_sha256,
+            expected_digest=r.logits_digests[t],
+            restep=k == 0,
+            response_start=len(r.prompt_ids) if scored else None,
+        )
+        for r in rollouts
+        for t in range(1, len(r.response_ids) - 1)
+        for k in (0, 1)
+    ]
 
 
 @pytest.mark.parametrize("kernels,decode", PATHS)
@@ -102,7 +117,12 @@ def test_the_refeed_scores_its_prefix_once_per_pivot_without_changing_the_pass(m
     a, b = eng.run_batch(plain, "refeed_ids", CONTINUE), eng.run_batch(scored, "refeed_ids", CONTINUE)
     for x, y in zip(a, b):
         assert (x.token_ids, x.next_topk_ids, x.next_topk_logprobs, x.next_digest, x.kv_maxdiff) == (
-            y.token_ids, y.next_topk_ids, y.next_topk_logprobs, y.next_digest, y.kv_maxdiff)
+            y.token_ids,
+            y.next_topk_ids,
+            y.next_topk_logprobs,
+            y.next_digest,
+            y.kv_maxdiff,
+        )
         assert x.prefix_logprobs is None
     by_id = {r.problem_id: r for r in rollouts}
     for req, res in zip(scored, b):
@@ -132,6 +152,7 @@ def test_a_retokenized_prefix_is_scored_only_where_its_ids_are_the_rollouts(mode
 
 # ------------------------------------------------------------------------------------------------ analysis
 
+
 def synthetic(n_problems: int = 10, per: int = 6, seed: int = 0):
     """Pivots whose re-feed flips its estimate more often the larger its prefix mismatch; the replica never."""
     rng = np.random.default_rng(seed)
@@ -141,14 +162,34 @@ def synthetic(n_problems: int = 10, per: int = 6, seed: int = 0):
             pid, k3 = f"q{p}.r0@{j + 1}", float(10 ** rng.uniform(-6, -1))
             flip = rng.random() < (0.8 if k3 > 1e-3 else 0.1)
             pivots.append({"pivot_id": pid, "problem_id": f"q{p}", "rollout": 0, "t": 2})
-            base = {"pivot_id": pid, "problem_id": f"q{p}", "margin": 0.1, "t": 2, "k": 4, "eligible": True,
-                    "n_orig_correct": 3, "n_sub_correct": 1, "n_rows": 8}
+            base = {
+                "pivot_id": pid,
+                "problem_id": f"q{p}",
+                "margin": 0.1,
+                "t": 2,
+                "k": 4,
+                "eligible": True,
+                "n_orig_correct": 3,
+                "n_sub_correct": 1,
+                "n_rows": 8,
+            }
             credit_rows["exact"].append({**base, "a_hat": 0.5})
             credit_rows["replica"].append({**base, "a_hat": 0.5})
             credit_rows["refeed"].append({**base, "a_hat": -0.5 if flip else 0.5})
-            mism.append({"pass": "refeed", "pivot_id": pid, "problem_id": f"q{p}", "rollout": 0, "t": 2,
-                         "n_tokens": 2, "share_identical": 0.0, **{m: k3 for m in METRICS},
-                         "decode_logprobs": [-0.5, -1.0], "refeed_logprobs": [-0.5 - k3, -1.0 + k3]})
+            mism.append(
+                {
+                    "pass": "refeed",
+                    "pivot_id": pid,
+                    "problem_id": f"q{p}",
+                    "rollout": 0,
+                    "t": 2,
+                    "n_tokens": 2,
+                    "share_identical": 0.0,
+                    **{m: k3 for m in METRICS},
+                    "decode_logprobs": [-0.5, -1.0],
+                    "refeed_logprobs": [-0.5 - k3, -1.0 + k3],
+                }
+            )
     credit = {name: pl.DataFrame(rows) for name, rows in credit_rows.items()}
     return pl.DataFrame(pivots), credit, pl.DataFrame(mism)
 
@@ -166,23 +207,28 @@ def test_the_link_finds_flips_that_follow_the_mismatch():
 
 def test_the_summary_pools_tokens_and_says_the_sentence_with_the_tables_excess():
     _, credit, mism = synthetic()
-    comparison = {"metric": "sign", "conditionings": {"main": {"excess_pp": {"estimate": 12.34, "ci_lo": 2.0,
-                                                                             "ci_hi": 25.56}}}}
+    comparison = {
+        "metric": "sign",
+        "conditionings": {"main": {"excess_pp": {"estimate": 12.34, "ci_lo": 2.0, "ci_hi": 25.56}}},
+    }
     out = mismatch_summary(mism, credit, comparison, config="cfg", metric="sign", min_eligible=10, ci=0.95)
     pooled = out["passes"]["refeed"]
     assert pooled["n_pivots"] == 60 and pooled["n_tokens"] == 120
     assert set(out["not_scored"]) == {"exact", "replica"}
-    assert out["sentence"].startswith(f"cfg: at this configuration's mean k3_kl of {pooled['k3_kl']:.3g}, "
-                                      "re-feed flips +12.3 pp [95% CI +2.0, +25.6] of decision-token credits "
-                                      "beyond the floor")
+    assert out["sentence"].startswith(
+        f"cfg: at this configuration's mean k3_kl of {pooled['k3_kl']:.3g}, "
+        "re-feed flips +12.3 pp [95% CI +2.0, +25.6] of decision-token credits "
+        "beyond the floor"
+    )
 
 
 def test_mismatch_rows_set_the_passes_prefix_against_the_rollouts_tokens():
     rollouts = pl.DataFrame({"problem_id": ["q"], "rollout": [0], "response_logprobs": [[-0.1, -0.2, -0.3]]})
     pivots = pl.DataFrame({"pivot_id": ["q.r0@2"], "problem_id": ["q"], "rollout": [0], "t": [2]})
     refeed = pl.DataFrame({"pivot_id": ["q.r0@2"] * 2, "prefix_logprobs": [[-0.1, -0.25], None]})
-    exact = pl.DataFrame({"pivot_id": ["q.r0@2"], "prefix_logprobs": [None]}, schema_overrides={
-        "prefix_logprobs": pl.List(pl.Float64)})
+    exact = pl.DataFrame(
+        {"pivot_id": ["q.r0@2"], "prefix_logprobs": [None]}, schema_overrides={"prefix_logprobs": pl.List(pl.Float64)}
+    )
     rows = mismatch_rows(rollouts, pivots, {"exact": exact, "refeed": refeed})
     assert rows["pass"].to_list() == ["refeed"] and rows["n_tokens"].to_list() == [2]
     assert rows["decode_logprobs"].to_list() == [[-0.1, -0.2]]
@@ -193,15 +239,38 @@ def test_mismatch_rows_set_the_passes_prefix_against_the_rollouts_tokens():
 
 # ------------------------------------------------------------------------------------------------ across engines
 
+
 def tables_of(rollouts) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The rollouts and pivots tables of ``made``'s rollouts, a pivot at every interior response position."""
-    frame = pl.DataFrame([{"problem_id": r.problem_id, "rollout": r.rollout, "prompt_ids": r.prompt_ids,
-                           "response_ids": r.response_ids, "kv_file": r.kv_file, "kv_sha256": r.kv_sha256,
-                           "logits_digests": r.logits_digests, "response_logprobs": r.token_logprobs}
-                          for r in rollouts])
-    pivots = pl.DataFrame([{"pivot_id": f"{r.problem_id}@{t}", "problem_id": r.problem_id, "rollout": r.rollout,
-                            "t": t, "orig_token": r.response_ids[t], "sub_token": (r.response_ids[t] + 1) % VOCAB}
-                           for r in rollouts for t in range(1, len(r.response_ids) - 1)])
+    frame = pl.DataFrame(
+        [
+            {
+                "problem_id": r.problem_id,
+                "rollout": r.rollout,
+                "prompt_ids": r.prompt_ids,
+                "response_ids": r.response_ids,
+                "kv_file": r.kv_file,
+                "kv_sha256": r.kv_sha256,
+                "logits_digests": r.logits_digests,
+                "response_logprobs": r.token_logprobs,
+            }
+            for r in rollouts
+        ]
+    )
+    pivots = pl.DataFrame(
+        [
+            {
+                "pivot_id": f"{r.problem_id}@{t}",
+                "problem_id": r.problem_id,
+                "rollout": r.rollout,
+                "t": t,
+                "orig_token": r.response_ids[t],
+                "sub_token": (r.response_ids[t] + 1) % VOCAB,
+            }
+            for r in rollouts
+            for t in range(1, len(r.response_ids) - 1)
+        ]
+    )
     return frame, pivots
 
 
@@ -209,18 +278,19 @@ def test_a_scorer_sets_its_prefill_against_the_rollouts_engine_once_per_pivot(mo
     """One configuration's rollouts scored by another's engine: one row per pivot, its prefix's response tokens;
     the same bits where the scorer computes as the rollouts' engine did (invariant kernels, the same weights),
     a measured gap where it computes in another dtype."""
-    from replaynoise.cross import cross_mismatch
+    from replaynoise.analysis.cross_scoring import cross_mismatch
 
     rollouts, pivots = tables_of(made(engine(model, "invariant", "dynamic"), tmp_path))
     kwargs = dict(rollouts_config="a", seed=3, sampling=CONTINUE, batch_size=7)
-    rows, summary = cross_mismatch(engine(model, "invariant", "dynamic"), rollouts, pivots, scorer_config="a-again",
-                                   **kwargs)
+    rows, summary = cross_mismatch(
+        engine(model, "invariant", "dynamic"), rollouts, pivots, scorer_config="a-again", **kwargs
+    )
     assert rows["pivot_id"].to_list() == sorted(pivots["pivot_id"].to_list())
     assert rows["pass"].unique().to_list() == ["a-again"]
     assert rows["n_tokens"].to_list() == [int(p.split("@")[1]) for p in rows["pivot_id"]]
     assert summary["metrics"]["zero"] and summary["metrics"]["k3_kl"] == 0.0
     assert summary["n_pivots_asked"] == pivots.height and set(summary["definitions"]) == set(METRICS)
-    fp32 = HFEngine(tiny_llama(torch.float32), Tokenizer(), kernels="stock", decode="dynamic", topk=VOCAB, **SHAPE)
+    fp32 = hf_engine(tiny_llama(torch.float32), Tokenizer(), kernels="stock", decode="dynamic", topk=VOCAB, **SHAPE)
     other, summary = cross_mismatch(fp32, rollouts, pivots, scorer_config="b", **kwargs)
     assert other["pivot_id"].to_list() == rows["pivot_id"].to_list()
     assert not summary["metrics"]["zero"] and 0 < summary["metrics"]["k3_kl"] < 0.05
@@ -233,8 +303,11 @@ def test_the_workflow_scores_one_configurations_pivots_with_anothers_engine(smol
     run = clone_run(smollm2_run, tmp_path / "run")
     native = {**TINY_ON_SMOLLM2["configs"]["tiny"], "cpu_matmul": "native"}
     pair = {"rollouts": "tiny", "scorer": "tiny-native"}
-    config = {**TINY_ON_SMOLLM2, "configs": {**TINY_ON_SMOLLM2["configs"], "tiny-native": native},
-              "analysis": {**TINY_ON_SMOLLM2["analysis"], "cross_scoring": [pair]}}
+    config = {
+        **TINY_ON_SMOLLM2,
+        "configs": {**TINY_ON_SMOLLM2["configs"], "tiny-native": native},
+        "analysis": {**TINY_ON_SMOLLM2["analysis"], "cross_scoring": [pair]},
+    }
     before = (run / "results" / "rollouts" / "tiny" / "rollouts.parquet").stat().st_mtime_ns
     proc = snakemake(run, config, "results/cross/tiny/tiny-native.json")
     jobs = proc.stdout + proc.stderr  # the plan's table of jobs, on stderr

@@ -50,9 +50,7 @@ def test_the_closing_lines_give_the_loop_rate_and_the_phases(capsys):
 
 def test_replaynoise_profile_writes_one_readable_profile_per_step(tmp_path):
     log = tmp_path / "logs" / "replay_exact" / "tiny.000.log"
-    code = ("from replaynoise.logs import log_to\n"
-            f"log_to({str(log)!r})\n"
-            "sum(i * i for i in range(10000))\n")
+    code = f"from replaynoise.logs import log_to\nlog_to({str(log)!r})\nsum(i * i for i in range(10000))\n"
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "REPLAYNOISE_PROFILE": str(tmp_path / "prof")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=tmp_path)
     written = tmp_path / "prof" / "replay_exact.tiny.000.prof"

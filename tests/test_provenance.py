@@ -86,9 +86,11 @@ def test_rewriting_a_target_removes_what_a_killed_writer_left(tmp_path):
         f"with atomic_path({str(target)!r}) as tmp:\n"
         "    tmp.write_text('half')\n"
         "    print(tmp, flush=True)\n"
-        "    time.sleep(60)\n")
-    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              cwd=Path(__file__).resolve().parents[1])
+        "    time.sleep(60)\n"
+    )
+    writer = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
     orphan = Path(writer.stdout.readline().strip())
     writer.send_signal(signal.SIGKILL)
     writer.wait()
@@ -130,8 +132,13 @@ def test_write_json_is_sorted_and_newline_terminated(tmp_path):
 
 
 def frame(values: list[float]) -> pl.DataFrame:
-    return pl.DataFrame({"pivot_id": [f"p@{i}" for i in range(len(values))], "value": values,
-                         "ids": [[i, i + 1] for i in range(len(values))]})
+    return pl.DataFrame(
+        {
+            "pivot_id": [f"p@{i}" for i in range(len(values))],
+            "value": values,
+            "ids": [[i, i + 1] for i in range(len(values))],
+        }
+    )
 
 
 def test_write_parquet_equal_frames_give_identical_bytes(tmp_path):
@@ -209,7 +216,9 @@ def test_verify_inputs_reports_an_edited_or_missing_user_file(tmp_path):
     data.write_text('{"question": "1+2?", "answer": "3"}\n')
     model.unlink()
     assert provenance.verify_inputs(record) == [
-        f"DIFFERS input {data} (the results were made from another version of it)", f"MISSING input {model}"]
+        f"DIFFERS input {data} (the results were made from another version of it)",
+        f"MISSING input {model}",
+    ]
 
 
 def test_check_sha256(tmp_path):
@@ -239,8 +248,10 @@ def test_stable_hash_is_key_order_independent():
 # --- provenance record ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prefix,mode", [("", "pip"), ("/opt/conda/envs/work", "conda"),
-                                         ("/repo/.snakemake/conda/abc123", "snakemake-conda")])
+@pytest.mark.parametrize(
+    "prefix,mode",
+    [("", "pip"), ("/opt/conda/envs/work", "conda"), ("/repo/.snakemake/conda/abc123", "snakemake-conda")],
+)
 def test_install_mode(monkeypatch, prefix, mode):
     monkeypatch.setenv("CONDA_PREFIX", prefix)
     assert provenance.install_mode() == mode
@@ -248,10 +259,14 @@ def test_install_mode(monkeypatch, prefix, mode):
 
 def test_cpu_description_names_the_model_and_the_kernel_features(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu sse2 avx2 fma avx512f "
-                       "avx512_bf16 sha_ni\n\nprocessor\t: 1\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu\n")
-    assert provenance.cpu_description(cpuinfo) == {"cpu_model": "AMD EPYC 9654",
-                                                    "cpu_features": ["avx2", "fma", "avx512f", "avx512_bf16"]}
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu sse2 avx2 fma avx512f "
+        "avx512_bf16 sha_ni\n\nprocessor\t: 1\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu\n"
+    )
+    assert provenance.cpu_description(cpuinfo) == {
+        "cpu_model": "AMD EPYC 9654",
+        "cpu_features": ["avx2", "fma", "avx512f", "avx512_bf16"],
+    }
     missing = provenance.cpu_description(tmp_path / "absent")
     assert missing["cpu_features"] is None
 
@@ -328,8 +343,16 @@ def test_provenance_record(monkeypatch, git_repo):
     fingerprint = analysis_hash(config)
     repo, head = git_repo
     record = provenance_record(config, fingerprint, repo, note="extra field")
-    assert {"git", "analysis_hash", "config", "deviations_from_committed_defaults", "packages", "hardware",
-            "install_mode", "seeds"} <= set(record)
+    assert {
+        "git",
+        "analysis_hash",
+        "config",
+        "deviations_from_committed_defaults",
+        "packages",
+        "hardware",
+        "install_mode",
+        "seeds",
+    } <= set(record)
     assert record["git"] == {"commit": head, "dirty": False}
     assert record["analysis_hash"] == fingerprint
     assert record["config"] == config
@@ -373,7 +396,7 @@ def test_read_json_names_a_truncated_file(tmp_path):
 
 
 def test_the_static_attention_variable_is_checked_by_name_and_recorded(monkeypatch, git_repo):
-    from replaynoise.engines.kernels import INVARIANT_ATTENTION, STATIC_ATTENTION, static_attention
+    from replaynoise.engines.hf.kernels import INVARIANT_ATTENTION, STATIC_ATTENTION, static_attention
 
     config = validate_config(yaml.safe_load(DEFAULT_CONFIG_PATH.read_text()))
     repo, _ = git_repo

@@ -11,12 +11,14 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from helpers import analysis_settings
 
-from replaynoise.analysis import compare_passes
-from replaynoise.io import write_json
+from replaynoise.analysis.comparison import compare_passes
+from replaynoise.io import read_manifest, write_json
 from replaynoise.power import main as power_main
 from replaynoise.provenance import verify_manifest
-from replaynoise.reference import channel_data, compare, main, read_manifest, snapshot
+from replaynoise.reference import channel_data, main
+from replaynoise.snapshots import compare, snapshot
 
 GPU = Path(__file__).resolve().parents[1] / "reference" / "gpu"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -30,8 +32,12 @@ def write(path, text):
 
 
 def fake_results(root, headline="config,excess_pp\na,7.5\nb,3.0\n"):
-    files = {"tables/headline.csv": headline, "rollouts/c/kv/000/p1.safetensors": "kv bytes",
-             "analysis/c/comparison.json": "{}", "passes/c/exact.parquet": "rows"}
+    files = {
+        "tables/headline.csv": headline,
+        "rollouts/c/kv/000/p1.safetensors": "kv bytes",
+        "analysis/c/comparison.json": "{}",
+        "passes/c/exact.parquet": "rows",
+    }
     lines = [f"{write(root / path, text)}  {path}" for path, text in sorted(files.items())]
     (root / "MANIFEST.sha256").write_text("\n".join(lines) + "\n")
     write(root / "provenance.json", "{}")
@@ -123,8 +129,9 @@ def test_rebuild_names_a_changed_pivot_and_the_table_cells_it_moves(tmp_path, ca
     exact = reference / "credit" / "gemma3-bf16" / "exact.parquet"
     frame = pl.read_parquet(exact)
     first_nonzero = frame["a_hat"].ne(0).arg_max()  # a pivot with a sign to flip
-    flipped = frame.with_columns(a_hat=pl.when(pl.int_range(pl.len()) == first_nonzero).then(-pl.col("a_hat"))
-                                 .otherwise(pl.col("a_hat")))
+    flipped = frame.with_columns(
+        a_hat=pl.when(pl.int_range(pl.len()) == first_nonzero).then(-pl.col("a_hat")).otherwise(pl.col("a_hat"))
+    )
     flipped.write_parquet(exact)
     assert main(["rebuild", str(reference), str(tmp_path / "rebuilt")]) == 1
     out = capsys.readouterr().out
@@ -208,8 +215,9 @@ def test_float_drift_counts_a_zero_computed_as_1e_17_as_drift_but_not_a_changed_
 def test_every_vllm_reference_rebuilds_from_its_credit_tables(folder, tmp_path, capsys):
     """The paper-regime vLLM references: statistics, pooling, tables and figures recomputed on this CPU from the
     committed credit tables agree with the committed files (bitwise, or within last-bit float drift)."""
-    assert main(["rebuild", str(GPU.parent / "gpu-vllm" / folder), str(tmp_path / "rebuilt")]) == 0, \
+    assert main(["rebuild", str(GPU.parent / "gpu-vllm" / folder), str(tmp_path / "rebuilt")]) == 0, (
         capsys.readouterr().out
+    )
 
 
 POOLED = sorted((GPU.parent).glob("**/analysis/pooled/comparison.json"))
@@ -232,8 +240,10 @@ def test_no_committed_pooled_row_mixes_engines_or_kernels(pooled):
 
 # ------------------------------------------------------------------------------- commands that write trees
 
+
 def test_a_snapshot_never_deletes_or_writes_into_its_source_the_current_folder_or_a_folder_holding_either(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     """``snapshot results results`` once printed "0 files copied" and deleted all 91 results; ``snapshot results .``
     from a run's folder deleted the folder (a user's notes too). Each is refused by name, and nothing is touched."""
     run = tmp_path / "run"
@@ -254,7 +264,8 @@ def test_a_snapshot_never_deletes_or_writes_into_its_source_the_current_folder_o
 
 
 def test_a_rebuild_never_writes_into_the_reference_the_current_folder_or_a_folder_holding_either(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     reference = tmp_path / "refs" / "gemma"
     shutil.copytree(GPU / "gemma", reference)
     monkeypatch.chdir(tmp_path)
@@ -309,8 +320,10 @@ def test_a_malformed_manifest_is_named_by_file_and_line_never_a_crash(tmp_path, 
         return
     with pytest.raises(ValueError, match="MANIFEST.sha256:2: not a sha256sum line"):
         read_manifest(manifest)
-    assert verify_manifest(tmp_path, manifest)[0].startswith("MALFORMED") and "MANIFEST.sha256:2" in \
-        verify_manifest(tmp_path, manifest)[0]
+    assert (
+        verify_manifest(tmp_path, manifest)[0].startswith("MALFORMED")
+        and "MANIFEST.sha256:2" in verify_manifest(tmp_path, manifest)[0]
+    )
 
 
 def test_a_snapshot_rebuilds_and_the_prefix_mismatch_link_is_recomputed_from_its_table(tiny_run, tmp_path, capsys):
@@ -328,21 +341,27 @@ def test_a_snapshot_rebuilds_and_the_prefix_mismatch_link_is_recomputed_from_its
     comparison.write_text(json.dumps(record))
     lines = [line for line in (ref / "MANIFEST.sha256").read_text().split("\n") if line]
     digest = hashlib.sha256(comparison.read_bytes()).hexdigest()
-    (ref / "MANIFEST.sha256").write_text("".join(
-        (f"{digest}  analysis/tiny/comparison.json" if line.endswith("  analysis/tiny/comparison.json") else line)
-        + "\n" for line in lines))
+    (ref / "MANIFEST.sha256").write_text(
+        "".join(
+            (f"{digest}  analysis/tiny/comparison.json" if line.endswith("  analysis/tiny/comparison.json") else line)
+            + "\n"
+            for line in lines
+        )
+    )
     assert main(["rebuild", str(ref), str(tmp_path / "rebuilt2")]) == 1
     assert "differs: analysis/tiny/comparison.json" in capsys.readouterr().out
 
 
 def test_power_planning_reads_a_pilot_s_components_and_refuses_a_pilot_of_one_draw(tmp_path, capsys):
     credit = coverage.simulate_credit(np.random.default_rng(3), pass_sd=0.4, **coverage.DESIGN)
-    settings = dict(theta=0.5, theta_sweep=None, n_boot=100, seed=1, min_eligible=10, ci=0.95, metric="sign",
-                    margin_split=0.3)
-    write_json({**compare_passes(credit, **settings), "config": "three"}, tmp_path / "analysis" / "three" /
-               "comparison.json")
-    write_json({**compare_passes({p: credit[p] for p in ("exact", "replica", "refeed")}, **settings),
-                "config": "one"}, tmp_path / "analysis" / "one" / "comparison.json")
+    settings = analysis_settings(n_boot=100, seed=1, min_eligible=10)
+    write_json(
+        {**compare_passes(credit, settings), "config": "three"}, tmp_path / "analysis" / "three" / "comparison.json"
+    )
+    write_json(
+        {**compare_passes({p: credit[p] for p in ("exact", "replica", "refeed")}, settings), "config": "one"},
+        tmp_path / "analysis" / "one" / "comparison.json",
+    )
     assert power_main([str(tmp_path), "--excess", "5", "40"]) == 0
     captured = capsys.readouterr()
     assert "skipped: one: main: no replicated passes" in captured.err

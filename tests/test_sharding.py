@@ -7,8 +7,8 @@ import re
 import pytest
 from helpers import EXACT_PATH, EXACT_PATH_FILES, TINY, clone_run, planned_rules, snakemake
 
+from replaynoise.generation.shards import batch_range, problem_range, shard_count, shard_index, shard_names
 from replaynoise.io import read_parquet, sha256_file
-from replaynoise.shards import batch_range, problem_range, shard_count, shard_index, shard_names
 
 #: Manifest paths that name a shard: the layout of the scattered intermediates, which a shard size must change
 #: (kv.json is the index of the rollout shards' KV folders, so it lists that layout too).

@@ -18,8 +18,14 @@ from helpers import REPO, SMOLLM2, TINY, seed_model, snakemake
 
 SLURM_PROFILE = REPO / "profiles" / "slurm"
 #: The single-node cluster has no job accounting: job status comes from squeue (MinJobAge is 300 s there).
-STATUS_FLAGS = ("--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "5",
-                "--seconds-between-status-checks", "5")
+STATUS_FLAGS = (
+    "--slurm-status-command",
+    "squeue",
+    "--slurm-init-seconds-before-status-checks",
+    "5",
+    "--seconds-between-status-checks",
+    "5",
+)
 MODEL_RULES = {"generate_rollouts", *(f"replay_{p}" for p in TINY["replay"]["passes"])}
 
 
@@ -52,8 +58,14 @@ def planned_jobs(workdir, config, *args) -> list[dict]:
         values = dict(item.split("=", 1) for item in resources.group(1).split(", "))
         wildcards = re.search(r"^\s+wildcards: (.+)$", block, re.M)
         named = dict(item.split("=", 1) for item in wildcards.group(1).split(", ")) if wildcards else {}
-        jobs.append({"rule": head.group(1), "threads": int(threads.group(1)) if threads else 1, "resources": values,
-                     "wildcards": named})
+        jobs.append(
+            {
+                "rule": head.group(1),
+                "threads": int(threads.group(1)) if threads else 1,
+                "resources": values,
+                "wildcards": named,
+            }
+        )
     return jobs
 
 
@@ -67,8 +79,14 @@ def sbatch_line(job: dict) -> str:
 
     numeric = {k: int(v) for k, v in job["resources"].items() if v.isdigit()}
     fake = SimpleNamespace(threads=job["threads"], resources=Resources(numeric), name=job["rule"])
-    params = {"run_uuid": "RUN", "slurm_logfile": "/x/%j.log", "comment_str": job["rule"], "account": "",
-              "partition": "", "workdir": "/x"}
+    params = {
+        "run_uuid": "RUN",
+        "slurm_logfile": "/x/%j.log",
+        "comment_str": job["rule"],
+        "account": "",
+        "partition": "",
+        "workdir": "/x",
+    }
     return get_submit_command(fake, params) + set_gres_string(fake)
 
 
@@ -76,11 +94,28 @@ def test_gpu_configurations_ask_slurm_for_gpus_per_model_job(tmp_path):
     """A model job asks for the GPUs it holds: none on a CPU, one for the HF engine, its tensor parallelism for
     vLLM (here 3 of the 3 that resources.gpus allows; SmolLM2's 9 heads split 3 ways)."""
     tiny = SMOLLM2
-    config = {**TINY, "configs": {"tiny": {**tiny}, "tiny-gpu": {**tiny, "device": "cuda"},
-                                  "tiny-tp": {**tiny, "device": "cuda", "engine": "vllm", "block_size": 16,
-                                              "vllm": {"tensor_parallel_size": 3}}},
-              "resources": {"shard_size": 2, "threads": 4, "mem_mb": 12000, "runtime": 90, "gpus": 3,
-                            "rules": {"replay": {"runtime": 45}}}}
+    config = {
+        **TINY,
+        "configs": {
+            "tiny": {**tiny},
+            "tiny-gpu": {**tiny, "device": "cuda"},
+            "tiny-tp": {
+                **tiny,
+                "device": "cuda",
+                "engine": "vllm",
+                "block_size": 16,
+                "vllm": {"tensor_parallel_size": 3},
+            },
+        },
+        "resources": {
+            "shard_size": 2,
+            "threads": 4,
+            "mem_mb": 12000,
+            "runtime": 90,
+            "gpus": 3,
+            "rules": {"replay": {"runtime": 45}},
+        },
+    }
     # a dry run caps threads at --cores (1 by default); a real cluster run has no cap, which 64 stands in for
     jobs = planned_jobs(tmp_path, config, "--executor", "slurm", "--jobs", "10", "--cores", "64")
     model_jobs = [j for j in jobs if j["rule"] in MODEL_RULES]

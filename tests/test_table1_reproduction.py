@@ -14,8 +14,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from replaynoise import reanalyze
-from replaynoise.tables import headline_rows
+from replaynoise import paper_records, reanalyze
+from replaynoise.report.headline import headline_rows
 
 DATA = Path(__file__).resolve().parent / "data" / "paper-records"
 
@@ -59,6 +59,7 @@ def main_block(paper, label: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- Table 1 cells
+
 
 @pytest.mark.parametrize("label", ROWS)
 def test_table1_n(paper, label) -> None:
@@ -108,14 +109,17 @@ def test_table1_jaccard_refeed_and_ceiling(paper, label) -> None:
     row = main_row(paper, label)
     every = paper[0][label]["selection_all_pivots"]
     assert every["theta"] == 0.5
-    for stat, expected in ((row["jaccard_refeed"], PAPER_TABLE1[label][9]),
-                           (row["jaccard_replica_ceiling"], PAPER_TABLE1[label][10])):
+    for stat, expected in (
+        (row["jaccard_refeed"], PAPER_TABLE1[label][9]),
+        (row["jaccard_replica_ceiling"], PAPER_TABLE1[label][10]),
+    ):
         assert fixed(stat) == expected
     assert every["jaccard_refeed"]["estimate"] == pytest.approx(row["jaccard_refeed"])
     assert every["jaccard_replica_ceiling"]["estimate"] == pytest.approx(row["jaccard_replica_ceiling"])
 
 
 # --------------------------------------------------------------------------------------- numbers in the text
+
 
 @pytest.mark.parametrize("label, worse", [(POOLED, (29, 5)), ("K=8", (19, 0)), ("GRPO ckpt (t=.7, K=4)", (16, 2))])
 def test_table1_per_problem_sign_split(paper, label, worse) -> None:
@@ -178,7 +182,9 @@ def test_table1_cache_verification_and_probes(paper) -> None:
     assert (round(100 * min(divergence)), round(100 * max(divergence))) == (2, 14)
     pooled = results[POOLED]["probe"]
     assert (f"{pooled['replica']['p90_abs_delta']:.1e}", f"{pooled['refeed']['p90_abs_delta']:.1e}") == (
-        "3.7e-03", "4.8e-02")
+        "3.7e-03",
+        "4.8e-02",
+    )
     assert (pct(pooled["refeed"]["divergence_share"]), pct(pooled["replica"]["divergence_share"])) == ("22.8", "7.9")
 
 
@@ -186,8 +192,10 @@ def test_table1_our_definitions_on_the_same_records(paper) -> None:
     """What our definitions give on the paper's data (shared/notes/paper-vs-ours.md, points 1, 22, 23)."""
     pooled, k8 = main_block(paper, POOLED), main_block(paper, "K=8")
     value = pooled["by_metric"]["value"]
-    assert (pct(value["disagreement"]["exact_vs_refeed"]["estimate"]),
-            pct(value["disagreement"]["exact_vs_replica"]["estimate"])) == ("47.2", "23.1")
+    assert (
+        pct(value["disagreement"]["exact_vs_refeed"]["estimate"]),
+        pct(value["disagreement"]["exact_vs_replica"]["estimate"]),
+    ) == ("47.2", "23.1")
     assert f"{value['excess_pp']['estimate']:+.1f}" == "+24.1"
     assert f"{k8['by_metric']['value']['excess_pp']['estimate']:+.1f}" == "+43.5"
     none = {label: paper[0][label]["conditionings"]["none"]["excess_pp"]["estimate"] for label in (POOLED, "K=8")}
@@ -202,6 +210,7 @@ def test_table1_our_definitions_on_the_same_records(paper) -> None:
 
 # --------------------------------------------------------------------------------------------- the command
 
+
 def test_table1_reanalyze_command_on_one_file(tmp_path, capsys) -> None:
     out = tmp_path / "k16"
     rc = reanalyze.main([str(DATA / "c2-k16.json.gz"), "--out", str(out), "--label", "K=16", "--n-boot", "50"])
@@ -210,8 +219,15 @@ def test_table1_reanalyze_command_on_one_file(tmp_path, capsys) -> None:
     assert "Table 1 (conditioning main, metric sign" in printed
     line = next(ln for ln in printed.splitlines() if ln.startswith("K=16"))
     assert line.split()[:7] == ["K=16", "239", "36.8", "(5.9)", "23.0", "(5.9)", "+13.8"]
-    for name in ("comparison.json", "headline.csv", "headline.md", "headline.tex", "table1.txt",
-                 "figures/disagreement.png", "figures/disagreement_vs_margin.pdf"):
+    for name in (
+        "comparison.json",
+        "headline.csv",
+        "headline.md",
+        "headline.tex",
+        "table1.txt",
+        "figures/disagreement.png",
+        "figures/disagreement_vs_margin.pdf",
+    ):
         assert (out / name).is_file(), name
     md = (out / "headline.md").read_text()
     assert "| K=16 | main | sign | 239 (10) | 36.8 (5.9) | 23.0 (5.9) |" in md
@@ -222,19 +238,28 @@ def test_table1_reanalyze_prints_all_seven_rows(capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     body = {label: next(ln for ln in lines if ln.startswith(label)) for label in ROWS}
     for label, expected in PAPER_TABLE1.items():
-        cells = body[label][len(label):].split()
-        assert cells[:7] == [str(expected[0]), expected[1], f"({expected[2]})", expected[3], f"({expected[4]})",
-                             expected[5], expected[6] or "—"], label
+        cells = body[label][len(label) :].split()
+        assert cells[:7] == [
+            str(expected[0]),
+            expected[1],
+            f"({expected[2]})",
+            expected[3],
+            f"({expected[4]})",
+            expected[5],
+            expected[6] or "—",
+        ], label
 
 
 def test_table1_reanalyze_refuses_bad_input(tmp_path, capsys) -> None:
     assert reanalyze.main(["--table1", str(tmp_path)]) == 2
     assert "missing the paper's file(s)" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
-    bad.write_text('{"config": {"k": 4}, "pivots": [{"problem_id": 1, "rollout": 0, "abs_pos": 16, "margin": 0.5,'
-                   ' "A_exact1": 0.3, "A_exact2": 0.25, "A_refeed": 0.25}]}')
+    bad.write_text(
+        '{"config": {"k": 4}, "pivots": [{"problem_id": 1, "rollout": 0, "abs_pos": 16, "margin": 0.5,'
+        ' "A_exact1": 0.3, "A_exact2": 0.25, "A_refeed": 0.25}]}'
+    )
     assert reanalyze.main([str(bad), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "A_exact1" in err and "0.3 is not a multiple of 1/K" in err and not (tmp_path / "o").exists()
     with pytest.raises(ValueError, match="0.3 is not a multiple of 1/K in \\[-1, 1\\] for K=4"):
-        reanalyze.records_frame([bad])
+        paper_records.records_frame([bad])

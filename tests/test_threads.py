@@ -8,8 +8,8 @@ from helpers import PACKAGES, TINY, configuration, seed_model, snakemake
 from tinymodel import save_tiny_chat_model
 
 from replaynoise.config import analysis_hash, validate_config
+from replaynoise.data.preparation import prepare_model
 from replaynoise.engines import make_engine
-from replaynoise.models import prepare_model
 
 
 def _logits(engine, batches) -> list[torch.Tensor]:
@@ -20,8 +20,12 @@ def _logits(engine, batches) -> list[torch.Tensor]:
 def test_a_cpu_model_step_computes_with_cpu_threads_whatever_cores_the_job_got(tmp_path):
     """On layers as wide as SmolLM2's (576 x 1536) this CPU's float32 GEMMs sum in another order at 1 and at 2
     threads, so cpu_threads changes logits; the job's own thread count does not."""
-    prepare_model(str(save_tiny_chat_model(tmp_path / "wide", hidden=576, intermediate=1536)), "float32",
-                  tmp_path / "prepared", PACKAGES)
+    prepare_model(
+        str(save_tiny_chat_model(tmp_path / "wide", hidden=576, intermediate=1536)),
+        "float32",
+        tmp_path / "prepared",
+        PACKAGES,
+    )
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 300, (rows, length), generator=gen) for rows, length in ((1, 13), (5, 1), (16, 4))]
     seen = {}
@@ -38,8 +42,11 @@ def test_cpu_threads_is_protocol_and_resources_threads_is_not():
     base = {**TINY, "configs": {"tiny": {**TINY["configs"]["tiny"], "model": "smollm2-135m"}}}
     hashes = {}
     for cpu_threads, threads in ((1, 1), (1, 4), (2, 1)):
-        config = {**base, "configs": {"tiny": {**base["configs"]["tiny"], "cpu_threads": cpu_threads}},
-                  "resources": {**base["resources"], "threads": threads}}
+        config = {
+            **base,
+            "configs": {"tiny": {**base["configs"]["tiny"], "cpu_threads": cpu_threads}},
+            "resources": {**base["resources"], "threads": threads},
+        }
         hashes[(cpu_threads, threads)] = analysis_hash(validate_config(config))
     assert hashes[(1, 1)] == hashes[(1, 4)] != hashes[(2, 1)]
     # the default written out is the default

@@ -13,20 +13,27 @@ from helpers import built_once, clone_run, planned_rules, snakemake, with_settin
 from tinymodel import save_tiny_chat_model
 from transformers import TrainerCallback
 
-from replaynoise import training
 from replaynoise.config import ConfigError, validate_config
-from replaynoise.datasets import training_set
-from replaynoise.io import read_json, read_parquet, sha256_file
-from replaynoise.models import prepare_model
-from replaynoise.training import train_grpo
+from replaynoise.data.datasets import training_set
+from replaynoise.data.preparation import prepare_model
+from replaynoise.generation import training
+from replaynoise.generation.training import train_grpo
+from replaynoise.io import keyed_scratch, read_json, read_parquet, sha256_file
 
 #: the tests that run the workflow (about 2 min on 2 cores for the first, which makes the run the others read)
 workflow_run = pytest.mark.slow
 
 #: Three steps of four prompts, eight two-token answers each: the tiny model's digits are right often enough by
 #: chance that a step's group rewards differ, so the weights move.
-TRAIN = {"dataset": "simple_addsub", "steps": 3, "prompts_per_step": 4, "generations": 8, "micro_batch": 16,
-         "learning_rate": 0.01, "max_completion_length": 2}
+TRAIN = {
+    "dataset": "simple_addsub",
+    "steps": 3,
+    "prompts_per_step": 4,
+    "generations": 8,
+    "micro_batch": 16,
+    "learning_rate": 0.01,
+    "max_completion_length": 2,
+}
 
 
 #: the schema's defaults of the keys TRAIN leaves out, and the prompt of the runs below
@@ -75,8 +82,14 @@ def model_dirs(workdir: Path) -> dict[str, Path]:
 @workflow_run
 def test_the_default_target_trains_then_measures_the_trained_model(trained_run):
     workdir, _, planned = trained_run
-    assert {"prepare_model", "training_problems", "train_grpo", "generate_rollouts", "figure_training",
-            "policy_table"} <= planned
+    assert {
+        "prepare_model",
+        "training_problems",
+        "train_grpo",
+        "generate_rollouts",
+        "figure_training",
+        "policy_table",
+    } <= planned
     models = model_dirs(workdir)
     assert set(models) == {"base", "trained"}
     assert models["trained"].name.startswith(models["base"].name + "-grpo-")
@@ -120,8 +133,11 @@ def test_a_changed_train_setting_retrains_and_remeasures_only_the_trained_model(
     assert {"train_grpo", "generate_rollouts"} <= planned_rules(workdir, changed)
     assert "prepare_model" not in planned_rules(workdir, changed)
     plan = snakemake(workdir, changed, "-n").stdout
-    remade = {block.split(":", 1)[0] + ":" + block.split("wildcards: ", 1)[1].split("\n", 1)[0]
-              for block in plan.split("\nrule ")[1:] if block.startswith("generate_rollouts:")}
+    remade = {
+        block.split(":", 1)[0] + ":" + block.split("wildcards: ", 1)[1].split("\n", 1)[0]
+        for block in plan.split("\nrule ")[1:]
+        if block.startswith("generate_rollouts:")
+    }
     assert remade == {"generate_rollouts:config=trained, shard=000"}, plan[-3000:]
 
 
@@ -133,9 +149,16 @@ def test_the_same_seed_and_settings_give_the_same_weights(trained_run, tmp_path)
     origin = read_json(trained / "replaynoise-model.json")["origin"]
     problems = read_parquet(workdir / "results" / "training" / trained.name / "problems.parquet")
     again = tmp_path / "again"
-    info = train_grpo(model_dirs(workdir)["base"], again, tmp_path / "work", train=origin["train"],
-                      prompt=origin["prompt"], stops=origin["stop"], dtype="float32", device=origin["device"],
-                      threads=2, problems=problems, log_csv=tmp_path / "log.csv", scratch_key="again")
+    info = train_grpo(
+        model_dirs(workdir)["base"],
+        again,
+        tmp_path / "work",
+        origin,
+        dtype="float32",
+        threads=2,
+        problems=problems,
+        log_csv=tmp_path / "log.csv",
+    )
     assert info["origin"]["weights_sha256"] == origin["weights_sha256"]
 
 
@@ -163,10 +186,17 @@ def test_a_killed_training_resumes_from_its_checkpoint_to_the_same_weights(tmp_p
     monkeypatch.setattr(training, "CHECKPOINT_EVERY", 2)
 
     def train(out: str, work: str):
-        return train_grpo(base, tmp_path / out, tmp_path / work, train={**TRAIN_DEFAULTS, **TRAIN}, prompt=PROMPT,
-                          stops=[], dtype="float32", device="cpu", threads=2,
-                          problems=training_set("simple_addsub", tmp_path, [], 1), log_csv=tmp_path / f"{out}.csv",
-                          scratch_key="k")
+        recipe = {"train": {**TRAIN_DEFAULTS, **TRAIN}, "prompt": PROMPT, "stop": [], "device": "cpu"}
+        return train_grpo(
+            base,
+            tmp_path / out,
+            keyed_scratch(tmp_path / work, "k"),
+            recipe,
+            dtype="float32",
+            threads=2,
+            problems=training_set("simple_addsub", tmp_path, [], 1),
+            log_csv=tmp_path / f"{out}.csv",
+        )
 
     whole = train("whole", "work-whole")
 
@@ -205,10 +235,15 @@ def test_a_train_set_smaller_than_one_step_is_refused_before_any_model_is_prepar
     """simple_addsub has 500 problems; with 498 taken for evaluation, 2 are left for steps of 4 prompts: a
     trainer would end at step 0 and publish the base weights as trained. Refused when the config is read, by key
     and sizes, and again where the train set is made (questions the evaluation shares are taken out by text)."""
-    config = {"dataset": {"source": "simple_addsub", "n_problems": 498},
-              "configs": {"a": {"model": "smollm2-135m", "train": TRAIN}}}
-    with pytest.raises(ConfigError, match=r"train\.dataset and train\.prompts_per_step: simple_addsub has 500 "
-                                          r"problems, 2 once the evaluation's 498"):
+    config = {
+        "dataset": {"source": "simple_addsub", "n_problems": 498},
+        "configs": {"a": {"model": "smollm2-135m", "train": TRAIN}},
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"train\.dataset and train\.prompts_per_step: simple_addsub has 500 "
+        r"problems, 2 once the evaluation's 498",
+    ):
         validate_config(config)
     excluded = training_set("simple_addsub", tmp_path, [], 1)["question"].to_list()[:498]
     with pytest.raises(ValueError, match=r"2 problems are left .* fewer than train\.prompts_per_step \(4\)"):
@@ -219,10 +254,17 @@ def _train_with(trainer_class, tmp_path, monkeypatch, train=None):
     base = tmp_path / "base"
     prepare_model(str(save_tiny_chat_model(tmp_path / "tiny")), "float32", base, tmp_path)
     monkeypatch.setattr(training, "GRPOTrainer", trainer_class)
-    return train_grpo(base, tmp_path / "out", tmp_path / "work", train={**TRAIN_DEFAULTS, **TRAIN, **(train or {})},
-                      prompt=PROMPT, stops=[], dtype="float32", device="cpu", threads=1,
-                      problems=training_set("simple_addsub", tmp_path, [], 4), log_csv=tmp_path / "log.csv",
-                      scratch_key="k")
+    recipe = {"train": {**TRAIN_DEFAULTS, **TRAIN, **(train or {})}, "prompt": PROMPT, "stop": [], "device": "cpu"}
+    return train_grpo(
+        base,
+        tmp_path / "out",
+        keyed_scratch(tmp_path / "work", "k"),
+        recipe,
+        dtype="float32",
+        threads=1,
+        problems=training_set("simple_addsub", tmp_path, [], 4),
+        log_csv=tmp_path / "log.csv",
+    )
 
 
 def test_a_training_that_takes_fewer_steps_than_asked_publishes_nothing(tmp_path, monkeypatch):
@@ -237,6 +279,7 @@ def test_a_training_that_takes_fewer_steps_than_asked_publishes_nothing(tmp_path
 
 def test_weights_that_are_not_finite_are_refused_at_publication_naming_the_key(tmp_path, monkeypatch):
     """A learning rate of 1e6 gives NaN weights, which a later rollout only met as an index error in sampling."""
+
     class Diverges(training.GRPOTrainer):
         def train(self, **_):
             with torch.no_grad():

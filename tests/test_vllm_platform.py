@@ -8,7 +8,7 @@ import yaml
 
 from replaynoise.config import DEFAULT_CONFIG_PATH, ConfigError, validate_config
 from replaynoise.engines import make_engine
-from replaynoise.engines.vllm_build import (
+from replaynoise.engines.vllm.build import (
     GPU_HEADROOM_GIB,
     PlatformError,
     check_invariant_platform,
@@ -17,7 +17,7 @@ from replaynoise.engines.vllm_build import (
     patch_invariant_top_k_top_p,
     row_invariant_add_rms_norm,
 )
-from replaynoise.pivots import PivotRules, candidate_positions
+from replaynoise.generation.pivots import PivotRules, candidate_positions
 
 NAME = "smollm2-bf16"
 
@@ -162,8 +162,12 @@ def test_the_invariant_top_p_filters_a_row_alone_as_among_others(monkeypatch):
     assert filt(logits, None, None) is logits  # nothing to filter: untouched
     # vLLM's own top-p, one row at a time (its sort and cumsum), draws the edge elsewhere for some of these rows
     own = stock(logits.clone(), None, top_p)
-    assert any(not torch.equal(torch.isfinite(stock(logits[r:r + 1].clone(), None, top_p[r:r + 1]))[0],
-                               torch.isfinite(own[r])) for r in range(rows))
+    assert any(
+        not torch.equal(
+            torch.isfinite(stock(logits[r : r + 1].clone(), None, top_p[r : r + 1]))[0], torch.isfinite(own[r])
+        )
+        for r in range(rows)
+    )
 
 
 def test_the_invariant_top_p_is_installed_once_where_vllm_s_sampler_looks_it_up(monkeypatch):

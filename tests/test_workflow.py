@@ -21,14 +21,27 @@ def finished_run(tiny_run):
 
 def test_run_produces_every_result_with_a_valid_manifest(finished_run):
     results = finished_run / "results"
-    for rel in ["problems/simple_addsub.parquet", "rollouts/tiny/rollouts.parquet", "pivots/tiny.parquet",
-                "passes/tiny/exact.parquet", "passes/tiny/replica.parquet", "passes/tiny/refeed.parquet",
-                "passes/tiny/selector.parquet", "credit/tiny/exact.parquet", "analysis/tiny/comparison.json",
-                "tables/headline.csv", "tables/headline.md", "tables/headline.tex", "figures/disagreement.png",
-                "figures/jaccard_sweep.pdf", "provenance.json"]:
+    for rel in [
+        "problems/simple_addsub.parquet",
+        "rollouts/tiny/rollouts.parquet",
+        "pivots/tiny.parquet",
+        "passes/tiny/exact.parquet",
+        "passes/tiny/replica.parquet",
+        "passes/tiny/refeed.parquet",
+        "passes/tiny/selector.parquet",
+        "credit/tiny/exact.parquet",
+        "analysis/tiny/comparison.json",
+        "tables/headline.csv",
+        "tables/headline.md",
+        "tables/headline.tex",
+        "figures/disagreement.png",
+        "figures/jaccard_sweep.pdf",
+        "provenance.json",
+    ]:
         assert (results / rel).is_file(), rel
-    check = subprocess.run(["sha256sum", "-c", "--quiet", "MANIFEST.sha256"], cwd=results, capture_output=True,
-                           text=True)
+    check = subprocess.run(
+        ["sha256sum", "-c", "--quiet", "MANIFEST.sha256"], cwd=results, capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     listed = (results / "MANIFEST.sha256").read_text()
     assert "rollouts/tiny/kv/" in listed and "logs/" not in listed and "benchmarks/" not in listed
@@ -73,8 +86,15 @@ def test_the_prefix_mismatch_channel_reaches_the_report(finished_run):
 def test_changing_sample_size_reruns_sampling_and_downstream_not_model(finished_run):
     bigger = {**TINY, "dataset": {**TINY["dataset"], "n_problems": 4}}
     rules = planned_rules(finished_run, bigger)
-    assert {"sample_problems", "generate_rollouts", "select_pivots", "replay_exact", "replay_refeed",
-            "compute_credit", "manifest"} <= rules
+    assert {
+        "sample_problems",
+        "generate_rollouts",
+        "select_pivots",
+        "replay_exact",
+        "replay_refeed",
+        "compute_credit",
+        "manifest",
+    } <= rules
     assert "prepare_model" not in rules
 
 
@@ -118,8 +138,13 @@ def test_verify_catches_a_table_removed_with_its_line_and_an_edited_provenance(f
     moved = finished_run / "refeed.parquet.aside"
     try:
         table.rename(moved)
-        manifest.write_text("".join(line + "\n" for line in manifest.read_text().split("\n")
-                                    if line and not line.endswith("  passes/tiny/refeed.parquet")))
+        manifest.write_text(
+            "".join(
+                line + "\n"
+                for line in manifest.read_text().split("\n")
+                if line and not line.endswith("  passes/tiny/refeed.parquet")
+            )
+        )
         proc = snakemake(finished_run, TINY, "verify", check=False)
         assert proc.returncode != 0 and "UNLISTED passes/tiny/refeed.parquet" in proc.stdout + proc.stderr
         moved.rename(table)
@@ -180,12 +205,18 @@ def test_paper_preset_runs_on_cpu_shrunk_and_reports_the_papers_definitions(tiny
     model) and a few problems (built-in arithmetic instead of GSM8K, short budgets): its rules, screen, probe and
     tables come through by name."""
     config = yaml.safe_load((REPO / "config" / "campaigns" / "paper.yaml").read_text())
-    config["configs"] = {"tiny": {**config["configs"]["smollm2-bf16"], "model": str(TINY_MODEL_DIR),
-                                  "dtype": "float32", "device": "cpu", "max_new_tokens": 40}}
+    config["configs"] = {
+        "tiny": {
+            **config["configs"]["smollm2-bf16"],
+            "model": str(TINY_MODEL_DIR),
+            "dtype": "float32",
+            "device": "cpu",
+            "max_new_tokens": 40,
+        }
+    }
     config["dataset"] = {"source": "simple_addsub", "sample": "first", "n_problems": 4}
     config["prompt"]["instruction"] = "Answer in one short sentence that ends with the number."
-    config["rollouts"].update(per_problem=2, batch_size=8, screen={"rule": "mixed", "fixed": 2, "skip": 0,
-                                                                    "keep": 2})
+    config["rollouts"].update(per_problem=2, batch_size=8, screen={"rule": "mixed", "fixed": 2, "skip": 0, "keep": 2})
     config["pivots"].update(max_margin=3.0, min_response_len=4)
     config["replay"].update(k=2, max_new_tokens=8, batch_size=16, probe_tokens=4)
     config["analysis"].update(n_boot=20, min_eligible=1)
@@ -211,12 +242,17 @@ def test_paper_preset_runs_on_cpu_shrunk_and_reports_the_papers_definitions(tiny
     assert (headline["metric"] == "sign").all()
 
 
-CONTROLS = ["transplant_decode", "transplant_refeed", "transplant_refeed_lo15", "refeed_fp32", "exact_fp32cont",
-            "refeed_fp32cont"]
+CONTROLS = [
+    "transplant_decode",
+    "transplant_refeed",
+    "transplant_refeed_lo15",
+    "refeed_fp32",
+    "exact_fp32cont",
+    "refeed_fp32cont",
+]
 
 
-def test_control_passes_join_a_finished_run_without_rerunning_it_and_report_whom_they_follow(smollm2_run,
-                                                                                           tmp_path):
+def test_control_passes_join_a_finished_run_without_rerunning_it_and_report_whom_they_follow(smollm2_run, tmp_path):
     """On the packaged SmolLM2 (30 layers, bf16, CPU): adding transplant and precision passes runs them
     alone (no other pass reruns). A whole-cache transplant's first step never stays with its recipient where
     donor and recipient differ and mostly follows the donor (not always: it runs in the recipient's batch layout,
@@ -231,8 +267,7 @@ def test_control_passes_join_a_finished_run_without_rerunning_it_and_report_whom
     assert not rules & {"generate_rollouts", *(f"replay_{p}" for p in TINY_ON_SMOLLM2["replay"]["passes"])}
     snakemake(run, config)
     results = run / "results"
-    for rel in ["figures/transplant.png", "figures/transplant_layers.pdf", "tables/controls.csv",
-                "tables/controls.md"]:
+    for rel in ["figures/transplant.png", "figures/transplant_layers.pdf", "tables/controls.csv", "tables/controls.md"]:
         assert (results / rel).is_file() and rel in (results / "MANIFEST.sha256").read_text(), rel
     controls = json.loads((results / "analysis" / "tiny" / "comparison.json").read_text())["controls"]
     for name in ("transplant_decode", "transplant_refeed"):

@@ -19,17 +19,29 @@ class Tokenizer:
 
 def tiny_llama(dtype: torch.dtype) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=EOS, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=EOS,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
 #: Words a tiny tokenizer is trained on: the prompts' frame, the grader's marker, and the probe words
-#: replaynoise.models.check_tokenizer looks up.
-TINY_CORPUS = ("Solve the problem step by step and answer. Answer: 12. The answer is 7 apples. How many "
-               "marbles does Anna have now? She gives away 3 and gets 4 more. 0 1 2 3 4 5 6 7 8 9 10 ")
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+#: replaynoise.data.preparation.check_tokenizer looks up.
+TINY_CORPUS = (
+    "Solve the problem step by step and answer. Answer: 12. The answer is 7 apples. How many "
+    "marbles does Anna have now? She gives away 3 and gets 4 more. 0 1 2 3 4 5 6 7 8 9 10 "
+)
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 #: How far apart the ``close`` model's answer logits are (the scale of their context-dependent part).
@@ -52,15 +64,29 @@ def save_tiny_chat_model(path, seed: int = 0, close: bool = False, hidden: int =
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
     specials = ["<|end|>", "<|pad|>", "<|user|>", "<|assistant|>"]
-    raw.train_from_iterator([TINY_CORPUS] * 4, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|end|>", pad_token="<|pad|>",
-                                        chat_template=TINY_CHAT_TEMPLATE)
+    raw.train_from_iterator(
+        [TINY_CORPUS] * 4,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token="<|end|>", pad_token="<|pad|>", chat_template=TINY_CHAT_TEMPLATE
+    )
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                      bos_token_id=None, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     # It answers with digits (and stops): the output layer reaches no other token, so a few of its short answers
     # are right by chance, and a GRPO step has rewards that differ within a group, hence a gradient.

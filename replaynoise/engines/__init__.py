@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
 from replaynoise.engines.base import Engine
+from replaynoise.engines.registry import ENGINES
 from replaynoise.progress import Phases, process_seconds
 from replaynoise.settings import EngineSettings, compute_threads
-
-ENGINES = ("hf", "vllm")
 
 
 def make_engine(settings: dict, model_dir: Path, *, topk: int, threads: int) -> Engine:
@@ -28,37 +28,12 @@ def make_engine(settings: dict, model_dir: Path, *, topk: int, threads: int) -> 
         import torch
 
     torch.set_num_threads(threads)
-    if s.engine == "hf":
-        with startup("imports"):
-            from replaynoise.engines.hf import HFEngine
-            from replaynoise.loading import load_weights, model_weights_dir, stop_token_ids
-        with startup("weights check"):
-            weights = model_weights_dir(Path(model_dir))
-        with startup("model load"):
-            model, tokenizer = load_weights(weights, s.dtype, s.device)
-        with startup("engine build"):
-            shape = {key: value for key, value in (("invariant_rows", s.invariant_rows),
-                                                   ("invariant_context", s.invariant_context)) if value is not None}
-            engine = HFEngine(model, tokenizer, kernels=s.kernels, topk=topk, decode=s.decode,
-                              cpu_matmul=s.cpu_matmul, stop_ids=stop_token_ids(tokenizer, s.stop), **shape)
-    elif s.engine == "vllm":
-        with startup("imports"):
-            from replaynoise.engines.vllm import VLLMEngine
-            from replaynoise.engines.vllm_build import build_llm, check_invariant_platform
-            from replaynoise.loading import eos_ids, load_tokenizer, model_weights_dir, stop_token_ids
-
-        if s.kernels == "invariant":
-            check_invariant_platform(s.device)
-        with startup("weights check"):
-            weights = model_weights_dir(Path(model_dir))
-        with startup("engine build"):  # vLLM loads the weights, compiles and captures its graphs here
-            tokenizer = load_tokenizer(weights)
-            llm = build_llm(weights, settings, topk=topk, threads=threads)
-            engine = VLLMEngine(llm, tokenizer, eos_ids(weights, tokenizer), topk=topk,
-                                block_size=settings["block_size"],
-                                stop_ids=stop_token_ids(tokenizer, s.stop))
-    else:
-        raise ValueError(f"engine must be one of {ENGINES}, got {s.engine!r}")
+    if s.engine not in ENGINES:
+        raise ValueError(f"engine must be one of {sorted(ENGINES)}, got {s.engine!r}")
+    module, function = ENGINES[s.engine].build.split(":")
+    with startup("imports"):  # the one lazy import: an engine's heavy dependencies load only when it is built
+        build = getattr(importlib.import_module(module), function)
+    engine = build(settings, Path(model_dir), topk=topk, threads=threads, startup=startup)
     before = "" if started is None else f"process before the engine {started:.2f} s, "
     print(f"engine start-up by phase: {before}{startup.summary()}", file=sys.stderr)
     return engine

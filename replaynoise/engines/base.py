@@ -7,14 +7,104 @@ continuation requests from a named prefix source.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
-from replaynoise.passes import PREFIX_SOURCES, PrefixSource
 from replaynoise.progress import Phases
 
 __all__ = ["PREFIX_SOURCES", "PrefixSource"]  # where a prefix state comes from: defined with the passes
+
+
+class PrefixKind(StrEnum):
+    """Where a continuation's prefix state comes from (method.md section 2), with what each kind means for an
+    engine: a resumed state reads the decode-time KV and computes no prefix; a built one prefills the prefix again,
+    as the rollout's token ids or as its text tokenized anew."""
+
+    DECODE_KV = "decode_kv"
+    REFEED_IDS = "refeed_ids"
+    REFEED_TEXT = "refeed_text"
+
+    @property
+    def resumes(self) -> bool:
+        """Reads the decode-time state (verified, never recomputed)."""
+        return self is PrefixKind.DECODE_KV
+
+    @property
+    def retokenizes(self) -> bool:
+        """Feeds the prefix's text tokenized again, whose ids may differ from the rollout's."""
+        return self is PrefixKind.REFEED_TEXT
+
+    def prompt_ids(self, prefix_ids: Sequence[int], text_prefix_ids: Sequence[int] | None) -> list[int]:
+        """The ids a built prefix is prefilled from: the re-tokenized text's where there is one, else the rollout's."""
+        return list(text_prefix_ids) if self.retokenizes and text_prefix_ids else list(prefix_ids)
+
+
+#: The kinds' names, as configurations and pass tables write them.
+PREFIX_SOURCES = tuple(kind.value for kind in PrefixKind)
+
+
+@dataclass(frozen=True)
+class PrefixSource:
+    """How an engine builds a pass's prefix states.
+
+    ``kind`` builds the state; with ``donor``, layers [``layers[0]``, ``layers[1]``) (None: to the last) are then
+    replaced by the KV the ``donor`` kind builds for the same prefix. ``prefix_dtype`` computes a re-fed prefix
+    in that dtype and casts its KV back to the model's; ``continuation_dtype`` decodes the continuation in that
+    dtype from the state cast up to it.
+    """
+
+    kind: PrefixKind
+    donor: PrefixKind | None = None
+    layers: tuple[int, int | None] = (0, None)
+    prefix_dtype: str | None = None
+    continuation_dtype: str | None = None
+    #: keeps this pass's own prefill state apart from another pass's of the same kind where an engine could
+    #: share it (vLLM: its cache salt), so that a replica of a re-feed computes its prefixes again
+    tag: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("kind", "donor"):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if value not in PREFIX_SOURCES:
+                raise ValueError(f"prefix source {key} must be one of {PREFIX_SOURCES}, got {value!r}")
+            object.__setattr__(self, key, PrefixKind(value))  # a kind given by name carries its behaviour too
+        if self.donor is not None and (self.donor.retokenizes or self.kind.retokenizes):
+            raise ValueError(
+                "a transplant needs the same token ids in donor and recipient; refeed_text "
+                "re-tokenizes the prefix, so it can be neither"
+            )
+        if self.prefix_dtype is not None and self.kind.resumes:
+            raise ValueError("prefix_dtype applies to a re-fed prefix; the decode-time KV is stored as computed")
+
+    @property
+    def plain(self) -> bool:
+        """Built the way every engine can (no transplant, no precision change)."""
+        return self.donor is None and self.prefix_dtype is None and self.continuation_dtype is None
+
+    @property
+    def label(self) -> str:
+        """The ``prefix_source`` column of a pass table: the kind, then what differs from it."""
+        label = self.kind.value
+        if self.donor is not None:
+            lo, hi = self.layers
+            label += f"<-{self.donor.value}[{lo}:{'' if hi is None else hi}]"
+        if self.prefix_dtype:
+            label += f"+prefix:{self.prefix_dtype}"
+        if self.continuation_dtype:
+            label += f"+continuation:{self.continuation_dtype}"
+        if self.tag:
+            label += f"#{self.tag}"
+        return label
+
+
+def as_source(source: str | PrefixSource) -> PrefixSource:
+    """A prefix source given by kind alone (``"decode_kv"``) or in full."""
+    return source if isinstance(source, PrefixSource) else PrefixSource(PrefixKind(source))
 
 
 @dataclass(frozen=True)
@@ -119,7 +209,10 @@ class Engine(Protocol):
     phases: "Phases"
 
     def generate_rollouts(
-        self, requests: list[RolloutRequest], sampling: SamplingSettings, kv_dir: Path,
+        self,
+        requests: list[RolloutRequest],
+        sampling: SamplingSettings,
+        kv_dir: Path,
         keep_len: "KeepLen",
     ) -> list[Rollout]:
         """Sample one rollout per request (together, as one co-scheduled batch), token by token after the
@@ -127,7 +220,10 @@ class Engine(Protocol):
         ...
 
     def run_batch(
-        self, requests: list[ContinuationRequest], source: "str | PrefixSource", sampling: SamplingSettings,
+        self,
+        requests: list[ContinuationRequest],
+        source: "str | PrefixSource",
+        sampling: SamplingSettings,
     ) -> list[ContinuationResult]:
         """Run one batch of continuations together, as a serving engine would co-schedule them. ``source`` is a
         prefix source kind or a ``PrefixSource``; an engine refuses, by name, what it cannot build (a transplant
@@ -140,10 +236,13 @@ def scored_from(req: ContinuationRequest, source: PrefixSource) -> int | None:
     ones start (the response's first token), or None where there is nothing to set against: a resumed state
     (decode_kv) computes no prefix, a transplant's state is not the one its prefill made, and a re-tokenized
     prefix whose ids differ from the rollout's has no decode-time log-prob per token."""
-    if source.kind == "decode_kv" or source.donor is not None or req.response_start is None:
+    if source.kind.resumes or source.donor is not None or req.response_start is None:
         return None
-    if (source.kind == "refeed_text" and req.text_prefix_ids is not None
-            and tuple(req.text_prefix_ids) != tuple(req.prefix_ids)):
+    if (
+        source.kind.retokenizes
+        and req.text_prefix_ids is not None
+        and tuple(req.text_prefix_ids) != tuple(req.prefix_ids)
+    ):
         return None
     return req.response_start
 

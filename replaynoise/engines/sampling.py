@@ -101,11 +101,18 @@ def nucleus_by_bisection(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 #: The noise is bounded (u in [2**-24, 1 - 2**-24]): a token whose score is this far below the row's best score
 #: can never win the argmax, so only the tokens above it need noise (1.0 of margin covers float32 rounding).
-_NOISE_SPAN = -math.log(-math.log(1 - 2.0 ** -24)) + math.log(-math.log(2.0 ** -24)) + 1.0
+_NOISE_SPAN = -math.log(-math.log(1 - 2.0**-24)) + math.log(-math.log(2.0**-24)) + 1.0
 
 
-def sample_rows(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, temperature: float,
-                top_p: float, exhaustive: bool = False, nucleus=nucleus_by_sorting) -> torch.Tensor:
+def sample_rows(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    exhaustive: bool = False,
+    nucleus=nucleus_by_sorting,
+) -> torch.Tensor:
     """Gumbel-max sampling of every row: argmax(logits / T + g), g the row's noise at its step.
 
     ``logits`` [rows, vocab] (any float dtype, computed in float32), ``seeds`` and ``steps`` int64 [rows] on the
@@ -128,7 +135,8 @@ def sample_rows(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, 
     rows, cols = torch.nonzero(scores >= best - _NOISE_SPAN, as_tuple=True)
     total = scores[rows, cols] + _noise(keys[rows], cols)
     row_best = torch.full((scores.shape[0],), float("-inf"), device=scores.device).scatter_reduce(
-        0, rows, total, "amax")
+        0, rows, total, "amax"
+    )
     winner = torch.where(total == row_best[rows], cols, scores.shape[-1])  # ties: the lowest index, as argmax
     return torch.full_like(row_best, scores.shape[-1], dtype=torch.int64).scatter_reduce(0, rows, winner, "amin")
 
@@ -146,8 +154,11 @@ class RowSampler:
         """Sample from float32 ``logits`` of shape [vocab] at this row's next step."""
         steps = torch.tensor([self.step], dtype=torch.int64)
         self.step += 1
-        return int(sample_rows(logits[None, :], self.seed.to(logits.device), steps.to(logits.device),
-                               self.temperature, self.top_p)[0])
+        return int(
+            sample_rows(
+                logits[None, :], self.seed.to(logits.device), steps.to(logits.device), self.temperature, self.top_p
+            )[0]
+        )
 
 
 @functools.cache
@@ -201,3 +212,38 @@ def token_logprob_of(logprobs: torch.Tensor, tokens: torch.Tensor) -> torch.Tens
 def topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k ids and log-probs of the untempered distribution of every row, on the logits' device."""
     return topk_of(logprob_rows(logits), k)
+
+
+#: prefix positions whose next-token log-probs one head GEMM computes at a time (``prefix_scores``): a batch's
+#: prefixes never hold [rows, length, vocab] logits at once (Qwen's 151,936-token vocabulary: 0.6 MB a position)
+SCORE_CHUNK = 256
+
+
+def prefix_scores(
+    model: torch.nn.Module, hidden: torch.Tensor, seqs: list[list[int]], starts: list[int | None], pads: list[int]
+) -> list[list[float] | None]:
+    """Each scored row's tokens' log-probs from the hidden states of its prefill: the head applied to
+    ``SCORE_CHUNK`` positions at a time, only the target token's log-prob kept, one host copy at the end."""
+    rows, cols, targets = [], [], []
+    for row, (seq, start) in enumerate(zip(seqs, starts)):
+        if start is not None:
+            for j in range(max(start, 1), len(seq)):
+                rows.append(row), cols.append(pads[row] + j - 1), targets.append(seq[j])
+    if not rows:
+        return [None if start is None else [] for start in starts]
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    index = (torch.tensor(rows, device=hidden.device), torch.tensor(cols, device=hidden.device))
+    target = torch.tensor(targets, device=hidden.device)
+    out = torch.empty(len(rows), dtype=torch.float32, device=hidden.device)
+    for lo in range(0, len(rows), SCORE_CHUNK):
+        part = slice(lo, lo + SCORE_CHUNK)
+        logits = model.lm_head(hidden[index[0][part], index[1][part]]).to(torch.float32)
+        if softcap is not None:  # Gemma's final soft cap, as its forward applies it
+            logits = torch.tanh(logits / softcap) * softcap
+        out[part] = token_logprob_of(logprob_rows(logits), target[part])
+    values, scores, at = out.tolist(), [], 0
+    for seq, start in zip(seqs, starts):
+        n = 0 if start is None else len(seq) - max(start, 1)
+        scores.append(None if start is None else values[at : at + n])
+        at += n
+    return scores

@@ -5,6 +5,7 @@ from pathlib import Path
 import yaml
 
 from snakemake.exceptions import WorkflowError
+from snakemake.io import apply_wildcards, is_flagged
 from snakemake.settings.types import DeploymentMethod
 
 sys.path.insert(0, workflow.basedir)
@@ -15,11 +16,11 @@ from replaynoise.config import (  # noqa: E402
     check_config_file,
     validate_config,
 )
-from replaynoise.datasets import check_n_problems  # noqa: E402
+from replaynoise.data.datasets import check_n_problems  # noqa: E402
 from replaynoise.machine import job_gpus, overlay_adds_default_configs, platform_problems  # noqa: E402
-from replaynoise.models import model_source_files, prepared_model_key  # noqa: E402
+from replaynoise.data.models import model_source_files, prepared_model_key  # noqa: E402
 from replaynoise.overlays import misordered  # noqa: E402
-from replaynoise.passes import pass_spec, run_passes  # noqa: E402
+from replaynoise.generation.passes import pass_spec, run_passes  # noqa: E402
 from replaynoise.plan import (  # noqa: E402
     FROM_COMPARISONS,
     FROM_CREDIT,
@@ -36,8 +37,8 @@ from replaynoise.settings import (  # noqa: E402
     gpu_reservation_gib,
     stop_texts,
 )
-from replaynoise.shards import shard_names  # noqa: E402
-from replaynoise.summary import run_summary  # noqa: E402
+from replaynoise.generation.shards import shard_names  # noqa: E402
+from replaynoise.report.summary import run_summary  # noqa: E402
 
 try:
     for _path in workflow.configfiles:  # Snakemake's YAML loader keeps the last of two equal keys, silently
@@ -75,7 +76,7 @@ BENCH = "results/benchmarks"
 
 
 #: Problem shards (resources.shard_size): rollouts run one job per shard, and so does every pass, over an
-#: equal share of its batches (replaynoise/shards.py says why the split never changes a result).
+#: equal share of its batches (replaynoise/generation/shards.py says why the split never changes a result).
 SHARDS = shard_names(config["dataset"]["n_problems"], config["resources"]["shard_size"])
 
 
@@ -213,7 +214,7 @@ def work_dir(config_name, step, shard):
 
 def comparison_file(config_name):
     """One configuration's statistics, or the pooled ones (``config_name`` "pooled"; a run whose configurations
-    differ in engine or kernels writes there why it pooled none, replaynoise.pooling.pooled_comparison)."""
+    differ in engine or kernels writes there why it pooled none, replaynoise.analysis.pooling.pooled_comparison)."""
     return f"results/analysis/{config_name}/comparison.json"
 
 
@@ -261,7 +262,7 @@ def pass_priority(pass_name):
 def replay_params(pass_name):
     """The replay block one pass's step reads: all but the list of passes and the number of draws (a pass is one
     draw whatever their number), and a sample size only in the step of the pass it sizes
-    (replaynoise.passes.PassSpec.sample_key)."""
+    (replaynoise.generation.passes.PassSpec.sample_key)."""
     others = {pass_spec(p).sample_key for p in RUN_PASSES} - {pass_spec(pass_name).sample_key, None}
     return {
         key: value
@@ -361,32 +362,48 @@ def figure_outputs(name):
     }
 
 
+def planned_jobs():
+    """Every job this configuration plans, once, as (step, wildcards). The manifest's inputs are these jobs'
+    outputs and the cost report's timed jobs are those of them that keep a benchmark, both read from the rules'
+    own declarations: neither lists a file name again, and a job added here is in both. (The manifest, its
+    check and the cost report, which read the others, are not jobs of the plan.)"""
+    jobs = [("sample_problems", {"dataset": dataset_name()})]
+    jobs += [("prepare_model", {"model_key": key}) for key in sorted(MODEL_KEYS)]
+    jobs += [(step, {"model_key": key}) for key in sorted(TRAINED) for step in ("training_problems", "train_grpo")]
+    jobs += [("figure_training", {}), ("policy_table", {})] if TRAINED else []
+    for c in CONFIGS:
+        jobs += [("generate_rollouts", {"config": c, "shard": s}) for s in SHARDS]
+        jobs += [(step, {"config": c}) for step in ("gather_rollouts", "index_kv", "select_pivots")]
+        jobs += [(f"replay_{p}", {"config": c, "shard": s}) for p in RUN_PASSES for s in SHARDS]
+        jobs += [
+            (step, {"config": c, "pass_name": p}) for p in RUN_PASSES for step in ("gather_pass", "compute_credit")
+        ]
+        jobs += [(step, {"config": c}) for step in ("prefix_mismatch", "compare_passes")]
+    jobs += [("compare_pooled", {})]
+    jobs += [("cross_score", {"rollouts": a, "config": b}) for a, b in CROSS_PAIRS]
+    jobs += [("headline_tables", {})] + [(f"table_{name}", {}) for name in CONTROL_TABLES]
+    figures = FIGURES_FROM_COMPARISONS + FIGURES_FROM_CREDIT + ["channel_agreement"] + CONTROL_FIGURES
+    return jobs + [(f"figure_{name}", {}) for name in figures]
+
+
+def job_outputs(step, wildcards):
+    """A planned job's outputs as declared, each with whether it is a folder (a ``directory`` output)."""
+    return [(apply_wildcards(f, wildcards), is_flagged(f, "directory")) for f in getattr(rules, step).rule.output]
+
+
 def manifest_inputs(wildcards=None):
     """Every output of the DAG, so the manifest covers exactly this configuration's results."""
-    files = list(sampling_outputs(dataset_name()).values())
-    files += sorted({model_path(key) for key in [*MODEL_KEYS, *TRAINED]})
-    files += [f(key) for key in sorted(TRAINED) for f in (training_problems_file, training_log_file)]
-    if TRAINED:
-        files += [figure_file("training", ext) for ext in ("png", "pdf")]
-        files += [table_file("policy", ext) for ext in ("csv", "md")]
-    for c in CONFIGS:
-        files += [rollout_shard_file(c, s) for s in SHARDS] + [kv_dir(c, s) for s in SHARDS]
-        files += [rollouts_file(c), kv_index_file(c), pivots_file(c)]
-        files += [pass_shard_file(c, p, s) for p in RUN_PASSES for s in SHARDS]
-        files += [pass_file(c, p) for p in RUN_PASSES] + [credit_file(c, p) for p in RUN_PASSES]
-        files += [mismatch_file(c), comparison_file(c), channels_file(c)]
-    files += [comparison_file("pooled")]
-    files += [cross_file(a, b, ext) for a, b in CROSS_PAIRS for ext in ("parquet", "json")]
-    files += [table_file("headline", ext) for ext in ("csv", "md", "tex")]
-    files += [table_file(name, ext) for name in CONTROL_TABLES for ext in ("csv", "md")]
-    files += rules.figures.input
-    return files
+    return [path for step, values in planned_jobs() for path, _ in job_outputs(step, values)]
 
 
 def manifest_expected_files():
     """The files of ``manifest_inputs`` (not its folders: a model's, a shard's KV), relative to results/."""
-    folders = {model_path(key) for key in [*MODEL_KEYS, *TRAINED]} | {kv_dir(c, s) for c in CONFIGS for s in SHARDS}
-    return sorted(str(Path(f).relative_to("results")) for f in manifest_inputs() if f not in folders)
+    return sorted(
+        str(Path(path).relative_to("results"))
+        for step, values in planned_jobs()
+        for path, folder in job_outputs(step, values)
+        if not folder
+    )
 
 
 def code_version(script):
@@ -398,53 +415,26 @@ def code_version(script):
 
 
 def timed_jobs():
-    """Every model job this configuration plans, with its benchmark file and the devices it holds (dict literals:
-    a line that starts with `rule=` is read by Snakemake's parser as a rule)."""
-    jobs = [
-        {
-            "rule": "prepare_model",
-            "benchmark": benchmark_file("prepare_model", key),
-            "gpus": 0,
-            "threads": heavy("prepare_model", "threads"),
-        }
-        for key in sorted(MODEL_KEYS)
-    ]
-    jobs += [
-        {
-            "rule": "train_grpo",
-            "benchmark": benchmark_file("train_grpo", key),
-            "gpus": job_gpus(trained["settings"]),
-            "threads": heavy("train_grpo", "threads"),
-        }
-        for key, trained in sorted(TRAINED.items())
-    ]
-    for c in CONFIGS:
-        held = gpus_of(c)
-        for s in SHARDS:
-            jobs.append(
-                {
-                    "rule": "generate_rollouts",
-                    "benchmark": benchmark_file("generate_rollouts", f"{c}.{s}"),
-                    "gpus": held,
-                    "threads": heavy("generate_rollouts", "threads"),
-                }
-            )
-            jobs += [
-                {
-                    "rule": f"replay_{p}",
-                    "benchmark": benchmark_file(f"replay_{p}", f"{c}.{s}"),
-                    "gpus": held,
-                    "threads": heavy("replay", "threads"),
-                }
-                for p in RUN_PASSES
-            ]
-    jobs += [
-        {
-            "rule": "cross_score",
-            "benchmark": benchmark_file("cross_score", f"{a}.{b}"),
-            "gpus": gpus_of(b),
-            "threads": heavy("replay", "threads"),
-        }
-        for a, b in CROSS_PAIRS
-    ]
+    """Every model job this configuration plans (a planned job whose rule keeps a benchmark), with its benchmark
+    file, the devices it holds and its threads (dict literals: a line that starts with `rule=` is read by
+    Snakemake's parser as a rule)."""
+    jobs = []
+    for name, values in planned_jobs():
+        declared = getattr(rules, name).rule
+        if declared.benchmark is None:
+            continue
+        if name == "prepare_model":
+            held = 0
+        elif name == "train_grpo":
+            held = job_gpus(TRAINED[values["model_key"]]["settings"])
+        else:
+            held = gpus_of(values["config"])
+        jobs.append(
+            {
+                "rule": name,
+                "benchmark": apply_wildcards(declared.benchmark, values),
+                "gpus": held,
+                "threads": declared.resources["_cores"].value,
+            }
+        )
     return jobs

@@ -1,5 +1,5 @@
 # One rule per pass, each a separately cached step (method.md section 2). They differ only in the pass name,
-# which decides the prefix source and the noise stream (replaynoise.passes.pass_spec). Each runs one job per
+# which decides the prefix source and the noise stream (replaynoise.generation.passes.pass_spec). Each runs one job per
 # shard, over an equal share of the pass's batches, gathered by gather_pass.
 for _pass in RUN_PASSES:
 

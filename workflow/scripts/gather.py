@@ -5,7 +5,7 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parents[1]))
 from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
-from replaynoise import replay, rollouts  # noqa: E402
+from replaynoise.generation import replay, rollouts  # noqa: E402
 from replaynoise.io import read_parquet, write_parquet  # noqa: E402
 
 gather = {"gather_rollouts": rollouts.gather, "gather_pass": replay.gather}[snakemake.rule]

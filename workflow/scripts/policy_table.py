@@ -6,7 +6,7 @@ from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
 from replaynoise.io import read_parquet  # noqa: E402
-from replaynoise.training_report import policy_table, write_policy_tables  # noqa: E402
+from replaynoise.report.training import policy_table, write_policy_tables  # noqa: E402
 
 p = snakemake.params
 rollouts = {c: read_parquet(f) for c, f in zip(p.configs, snakemake.input.rollouts)}

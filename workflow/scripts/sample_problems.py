@@ -5,7 +5,7 @@ sys.path.insert(0, str(Path(snakemake.scriptdir).parents[1]))
 from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
-from replaynoise.datasets import read_problems, sample_problems, write_problems  # noqa: E402
+from replaynoise.data.datasets import read_problems, sample_problems, write_problems  # noqa: E402
 from replaynoise.io import write_json  # noqa: E402
 
 p = snakemake.params

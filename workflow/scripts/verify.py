@@ -8,14 +8,22 @@ log_to(snakemake.log[0])
 from replaynoise.provenance import verify_coverage, verify_inputs, verify_manifest, verify_settings  # noqa: E402
 
 p = snakemake.params
-problems = (verify_manifest("results", p.manifest) + verify_coverage(p.manifest, p.expected)
-            + verify_settings(p.provenance, p.config, p.analysis_hash) + verify_inputs(p.provenance))
+problems = (
+    verify_manifest("results", p.manifest)
+    + verify_coverage(p.manifest, p.expected)
+    + verify_settings(p.provenance, p.config, p.analysis_hash)
+    + verify_inputs(p.provenance)
+)
 for line in problems:
     print(line, file=sys.stderr)
     print(line, file=sys.__stderr__)
 if problems:
-    raise SystemExit(f"{len(problems)} problem(s) with the results, results/MANIFEST.sha256 or provenance.json: "
-                     + "; ".join(problems[:10]))
-print("all result files match results/MANIFEST.sha256, which lists every file the plan makes; provenance.json "
-      "records this configuration; every file given by path has its recorded sha256",
-      file=sys.__stderr__)
+    raise SystemExit(
+        f"{len(problems)} problem(s) with the results, results/MANIFEST.sha256 or provenance.json: "
+        + "; ".join(problems[:10])
+    )
+print(
+    "all result files match results/MANIFEST.sha256, which lists every file the plan makes; provenance.json "
+    "records this configuration; every file given by path has its recorded sha256",
+    file=sys.__stderr__,
+)

@@ -1,0 +1,265 @@
+"""Replicated passes: an interval for the excess that covers the pass-to-pass noise as well as the problems'.
+
+One pass draws one batch schedule, one compile and one scheduler state, shared by every row it runs. A problem
+bootstrap resamples pivots within that one draw, so it cannot see a component common to the whole pass: with
+one replica and one re-feed, a pass that happened to land high or low is read as an effect. With R draws of
+``replica`` and of ``refeed`` (``replay.replicates``) the excess is estimated over R pairs, (replica draw r,
+re-feed draw r), and its variance has three parts (docs/method.md section 4, "Replicated passes"):
+
+    e[p, r] = u[p] + v[r] + w[p, r]      (problems p = 1..G crossed with pairs r = 1..R)
+
+u is the problem's own excess (which problems were drawn), v the pair's pass-level component (which schedules
+were drawn), w the rest (each pivot's continuations in that draw). The estimate is the pooled ratio over every
+pair's conditioning set; its linearised residuals e[p, r] form a G x R table without replication, and the
+method-of-moments (ANOVA) estimators of the crossed random-effects model give
+
+    Var(estimate) = sigma_u^2 / G + sigma_v^2 / R + sigma_w^2 / (G R),
+
+each component from the mean squares of problems, pairs and their interaction, a negative one set to 0, and the
+interval a t with Satterthwaite's degrees of freedom (between R - 1 when the pass component dominates and about
+G - 1 when it is absent). tests/test_crossed.py simulates passes with a known pass-level component and no true
+excess and checks that this interval covers zero at its level, where the problem bootstrap does not.
+
+Pure numpy and scipy: the analysis (``replaynoise.analysis.comparison``) builds the pairs' sets from credit frames and
+calls this, and so does the coverage simulation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy import stats as sps
+
+from replaynoise.analysis.paper_stats import Clusters, json_number, per_problem_t, ratio_stat
+
+
+@dataclass(frozen=True)
+class Components:
+    """The crossed model's variance components (in units of the ratio estimated) and the table they came from.
+
+    ``pivots_per_cell`` is the mean number of pivots a problem has in a pair's set (the linearisation's scale),
+    so a planned design of other G and R keeps the pilot's yield of pivots per problem."""
+
+    problem: float
+    pass_level: float
+    residual: float
+    n_problems: int
+    n_pairs: int
+    mean_squares: tuple[float, float, float]
+
+    def variance(self, n_problems: int | None = None, n_pairs: int | None = None) -> float:
+        """Var(estimate) at a design of G problems and R pairs (default: the run's own). At the run's design it is
+        the unrestricted ANOVA estimator (MS_problems + MS_pairs - MS_residual) / (G R), each mean square first
+        raised to at least MS_residual (a component is never negative); at another design, the components'
+        expectation."""
+        g = self.n_problems if n_problems is None else n_problems
+        r = self.n_pairs if n_pairs is None else n_pairs
+        ms_p, ms_r, ms_e = self.expected_mean_squares(g, r)
+        return (ms_p + ms_r - ms_e) / (g * r)
+
+    def expected_mean_squares(self, g: int, r: int) -> tuple[float, float, float]:
+        """The mean squares of problems, pairs and residual (each at least the residual's) at G x R: the observed
+        ones at the run's own design, their expectation under the components at another."""
+        if (g, r) == (self.n_problems, self.n_pairs):
+            ms_p, ms_r, ms_e = self.mean_squares
+        else:
+            ms_e = self.residual
+            ms_p, ms_r = ms_e + r * self.problem, ms_e + g * self.pass_level
+        return max(ms_p, ms_e), max(ms_r, ms_e), ms_e
+
+    def df(self, n_problems: int | None = None, n_pairs: int | None = None) -> float:
+        """Satterthwaite's degrees of freedom of ``variance``. They are those of the unrestricted estimator, so
+        a pass component estimated at zero from R - 1 degrees of freedom still widens the interval: with three
+        pairs a zero cannot be told from a pass-level SD of several points (tests/test_crossed.py)."""
+        g = self.n_problems if n_problems is None else n_problems
+        r = self.n_pairs if n_pairs is None else n_pairs
+        return satterthwaite_df(*self.expected_mean_squares(g, r), g, r)
+
+
+def cell_sums(codes: np.ndarray, n_groups: int, masks: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(S, N): per problem and pair, the sum of ``values`` over the pair's set and the set's size (G x R)."""
+    masks = np.asarray(masks, dtype=bool)
+    values = np.asarray(values, dtype=np.float64)
+    r = masks.shape[0]
+    s = np.zeros((n_groups, r))
+    n = np.zeros((n_groups, r))
+    for j in range(r):
+        s[:, j] = np.bincount(codes, weights=np.where(masks[j], values[j], 0.0), minlength=n_groups)
+        n[:, j] = np.bincount(codes, weights=masks[j].astype(np.float64), minlength=n_groups)
+    return s, n
+
+
+def satterthwaite_df(ms_p: float, ms_r: float, ms_e: float, g: int, r: int) -> float:
+    """Degrees of freedom of MS_p + MS_r - MS_e (mean squares of G - 1, R - 1 and (G - 1)(R - 1) degrees of
+    freedom): Satterthwaite (1946)."""
+    total = ms_p + ms_r - ms_e
+    denominator = ms_p**2 / (g - 1) + ms_r**2 / (r - 1) + ms_e**2 / ((g - 1) * (r - 1))
+    return float(total * total / denominator) if total > 0 and denominator > 0 else float(r - 1)
+
+
+def components(s: np.ndarray, n: np.ndarray) -> tuple[float, Components]:
+    """The pooled ratio sum(S)/sum(N) and the crossed model's components of its linearised residuals."""
+    g, r = s.shape
+    total = n.sum()
+    estimate = float(s.sum() / total)
+    e = (s - estimate * n) / (total / (g * r))
+    grand = e.mean()
+    rows, cols = e.mean(axis=1), e.mean(axis=0)
+    ms_p = r * float(((rows - grand) ** 2).sum()) / (g - 1)
+    ms_r = g * float(((cols - grand) ** 2).sum()) / (r - 1)
+    ms_e = float(((e - rows[:, None] - cols[None, :] + grand) ** 2).sum()) / ((g - 1) * (r - 1))
+    comp = Components(
+        problem=max(0.0, (ms_p - ms_e) / r),
+        pass_level=max(0.0, (ms_r - ms_e) / g),
+        residual=ms_e,
+        n_problems=g,
+        n_pairs=r,
+        mean_squares=(ms_p, ms_r, ms_e),
+    )
+    return estimate, comp
+
+
+def pass_level_interval(comp: Components, ci: float) -> tuple[float, float]:
+    """An interval for the pass-level variance. Its upper end is the chi-square bound of MS_pairs / G, which
+    bounds sigma_v^2 + sigma_w^2 / G and so sigma_v^2 (conservative, and finite with few pairs); its lower end is
+    Satterthwaite's for the difference (MS_pairs - MS_residual) / G, 0 where that difference is not positive."""
+    ms_p, ms_r, ms_e = comp.mean_squares
+    g, r = comp.n_problems, comp.n_pairs
+    alpha = 1.0 - ci
+    upper = float((r - 1) * ms_r / (g * sps.chi2.ppf(alpha / 2, r - 1)))
+    if comp.pass_level <= 0:
+        return 0.0, upper
+    nu = (ms_r - ms_e) ** 2 / (ms_r**2 / (r - 1) + ms_e**2 / ((g - 1) * (r - 1)))
+    return float(nu * comp.pass_level / sps.chi2.ppf(1 - alpha / 2, nu)), upper
+
+
+def crossed_interval(s: np.ndarray, n: np.ndarray, ci: float, scale: float = 1.0) -> dict[str, Any]:
+    """The pooled ratio over pairs with its crossed (problems x pairs) interval, and the components behind it."""
+    g, r = s.shape
+    out: dict[str, Any] = {
+        "estimate": None,
+        "ci_lo": None,
+        "ci_hi": None,
+        "se": None,
+        "df": None,
+        "n_problems": g,
+        "n_pairs": r,
+    }
+    if n.sum() <= 0:
+        out["reason"] = "empty sets"
+        return out
+    if g < 2 or r < 2:
+        out["estimate"] = json_number(scale * s.sum() / n.sum())
+        out["reason"] = "fewer than 2 problems or 2 pairs: the crossed variance needs both"
+        return out
+    estimate, comp = components(s, n)
+    se = math.sqrt(comp.variance())
+    df = comp.df()
+    half = float(sps.t.ppf(0.5 + ci / 2, df)) * se
+    lo, hi = pass_level_interval(comp, ci)
+    out.update(
+        estimate=json_number(scale * estimate),
+        se=json_number(scale * se),
+        df=json_number(df),
+        ci_lo=json_number(scale * (estimate - half)),
+        ci_hi=json_number(scale * (estimate + half)),
+        components={
+            "problem_sd": json_number(scale * math.sqrt(comp.problem)),
+            "pass_sd": json_number(scale * math.sqrt(comp.pass_level)),
+            "pass_sd_ci_lo": json_number(scale * math.sqrt(lo)),
+            "pass_sd_ci_hi": json_number(scale * math.sqrt(hi)),
+            "residual_sd": json_number(scale * math.sqrt(comp.residual)),
+            "mean_squares": {
+                "problems": comp.mean_squares[0],
+                "pairs": comp.mean_squares[1],
+                "residual": comp.mean_squares[2],
+            },
+            "share_pass": json_number((comp.pass_level / r) / comp.variance()) if comp.variance() > 0 else None,
+        },
+    )
+    return out
+
+
+def _resolved(stat: dict) -> bool | None:
+    lo, hi = stat.get("ci_lo"), stat.get("ci_hi")
+    return None if lo is None or hi is None else bool(lo > 0 or hi < 0)
+
+
+def replicated_stats(
+    codes: np.ndarray,
+    masks: np.ndarray,
+    refeed_flips: np.ndarray,
+    floor_flips: np.ndarray,
+    *,
+    ci: float,
+    n_boot: int,
+    seed: int,
+) -> dict[str, Any]:
+    """The excess, the re-feed rate and the floor over R pairs (rows of ``masks`` and the flip arrays: one pair
+    each; columns: the pivots, of problems ``codes``): each with the crossed interval (``crossed``) and, beside it,
+    the problem bootstrap of the same pooled ratio (``problem_only``: the draws held fixed, the interval a run of
+    one draw per pass reports), the paper's per-problem t over the pairs' sets, and each pair's own excess.
+    Problems with no pivot in any pair's set take no part (as a conditioning's clusters are its own problems)."""
+    masks = np.asarray(masks, dtype=bool)
+    used = masks.any(axis=0)
+    masks = masks[:, used]
+    f = np.asarray(refeed_flips, dtype=np.float64)[:, used]
+    g_flips = np.asarray(floor_flips, dtype=np.float64)[:, used]
+    labels, codes = np.unique(np.asarray(codes)[used], return_inverse=True)
+    n_groups = int(labels.size)
+    z = f - g_flips
+    clusters = Clusters(codes=codes, n_groups=n_groups, n_boot=n_boot, seed=seed)
+    out: dict[str, Any] = {
+        "n_pairs": int(masks.shape[0]),
+        "n_per_pair": [int(m.sum()) for m in masks],
+        "n_problems": n_groups,
+    }
+    for key, values, scale in (("excess_pp", z, 100.0), ("refeed", f, 1.0), ("floor", g_flips, 1.0)):
+        s, n = cell_sums(codes, n_groups, masks, values)
+        crossed = crossed_interval(s, n, ci, scale)
+        boot = ratio_stat(
+            np.where(masks, values, 0.0).sum(axis=0), masks.sum(axis=0).astype(np.float64), clusters, ci, scale
+        )
+        out[key] = {"estimate": crossed["estimate"], "crossed": crossed, "problem_only": boot}
+    out["resolved"] = _resolved(out["excess_pp"]["crossed"])
+    rows = np.concatenate([np.flatnonzero(m) for m in masks]) if masks.size else np.array([], dtype=np.int64)
+    pair = np.concatenate([np.full(int(m.sum()), j) for j, m in enumerate(masks)]) if masks.size else rows
+    out["per_problem_t"] = per_problem_t(f[pair, rows], g_flips[pair, rows], codes[rows])
+    out["pairs"] = [
+        ratio_stat(np.where(m, zr, 0.0), m.astype(np.float64), clusters, ci, 100.0) for m, zr in zip(masks, z)
+    ]
+    return out
+
+
+def plan(
+    comp: Components, excess_pp: float, *, problems: Sequence[int], pairs: Sequence[int], ci: float, power: float = 0.8
+) -> list[dict[str, Any]]:
+    """Power of the crossed interval to exclude zero at a true excess of ``excess_pp`` (pp), for each design of G
+    problems and R pairs: the normal approximation P(|estimate| / SE > t), with the pilot's components (same
+    pivots per problem, same pass-level noise) and the design's Satterthwaite df. A design of one pair cannot
+    estimate the pass-level component, so none is planned."""
+    rows = []
+    delta = excess_pp / 100.0
+    for r in pairs:
+        if r < 2:
+            raise ValueError("a design of one pair per pass cannot estimate the pass-level component; plan R >= 2")
+        for g in problems:
+            se = math.sqrt(comp.variance(g, r))
+            t = float(sps.t.ppf(0.5 + ci / 2, comp.df(g, r)))
+            achieved = float(sps.norm.cdf(abs(delta) / se - t)) if se > 0 else 1.0
+            rows.append(
+                {
+                    "problems": int(g),
+                    "pairs": int(r),
+                    "se_pp": 100 * se,
+                    "df": comp.df(g, r),
+                    "half_width_pp": 100 * t * se,
+                    "power": achieved,
+                    "enough": achieved >= power,
+                }
+            )
+    return rows

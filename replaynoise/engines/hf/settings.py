@@ -1,0 +1,41 @@
+"""The HF engine's settings, read when a configuration is read (no torch import): the one decoder shape of an
+invariant configuration that decodes statically, and the refusal of another engine's settings block."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replaynoise.settings import INVARIANT_PROMPT, INVARIANT_ROWS, ConfigError
+
+
+def prepare(name: str, settings: dict, given: dict, **_: Any) -> None:
+    """Before the schema is applied: a block of another engine's settings is refused, whatever it holds (a
+    tensor_parallel_size of "2" once crashed the parse)."""
+    if "vllm" in settings:
+        raise ConfigError(
+            f"config key configs.{name}.vllm: settings of the vllm engine, but this configuration's "
+            f"engine is {settings.get('engine')!r}; remove the block (tensor parallelism too: the "
+            "HF engine runs on one GPU) or set engine: vllm"
+        )
+
+
+def derive(name: str, settings: dict, replay: dict) -> None:
+    """The one decoder shape of an HF invariant configuration that decodes statically (``decode: static``, or
+    ``auto`` off the CPU), filled in where not given, so that the rollouts and every pass (which all receive
+    the configuration's settings) build the same one. Others are left as they are: their settings, and so the
+    analysis hash of a committed run, stay what they were before the invariant decoder existed."""
+    static = settings["decode"] == "static" or (settings["decode"] == "auto" and settings["device"] != "cpu")
+    if settings["kernels"] == "invariant" and static:
+        settings.setdefault("invariant_rows", INVARIANT_ROWS)
+        continuation = max(replay["max_new_tokens"], replay["probe_tokens"])
+        budget = settings["max_new_tokens"] + continuation
+        settings.setdefault("invariant_context", -(-(budget + INVARIANT_PROMPT) // 256) * 256)
+        if settings["invariant_context"] <= budget:
+            raise ConfigError(
+                f"config key configs.{name}.invariant_context: {settings['invariant_context']} slots do not hold "
+                f"a prompt plus {settings['max_new_tokens']} rollout and {continuation} continuation tokens"
+            )
+
+
+def check(name: str, settings: dict, **_: Any) -> None:
+    """Nothing beyond the schema and ``fill``: the HF engine takes every setting of its kind."""

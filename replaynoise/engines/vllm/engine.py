@@ -1,0 +1,384 @@
+"""The vLLM engine: a stock serving engine whose prefix-cache resume is instrumented and verified.
+
+vLLM commits every full KV block to its prefix cache, decode steps included, so a continuation submitted as
+prompt + response[:t] + [branch] reads the rollout's *decode-time* blocks. The cache does not outlive the
+process, though, so nothing is stored as tensors:
+
+- The rollout step stores a **recipe** per rollout (prompt, seed, sampling, cache salt and the batch it was
+  generated in) where the HF engine stores KV. ``kv_file``/``kv_sha256`` name the recipe and its checksum.
+- A ``decode_kv`` pass **regenerates** each rollout it needs from its recipe (once per process, same seeds, same
+  batch composition, the rollout's own cache salt) and compares tokens and a chained digest of the raw
+  log-probs bitwise with the stored rollout. A pivot whose rollout does not match is ``verified=False``.
+- Each continuation records ``num_cached_tokens``. The expected hit is ``((L-1)//B)*B`` for a prompt of L tokens
+  (vLLM never serves the last prompt token from cache, and only full blocks are cached); the rest of the prefix,
+  ``tail``, is recomputed by prefill. A hit below the expectation makes the row unverified, never silently used.
+- **Re-feed** prompts carry a per-pass ``cache_salt``: salted block hashes never equal the rollouts' hashes, so
+  they cannot read decode-time blocks (they do hit their own earlier prefills of the same prefix, recorded).
+
+``logits_digests`` here is a *chained* digest of the raw log-probs vLLM returns (top-k plus the sampled token),
+not of the full logits vector, which vLLM does not expose: digest[t] covers positions 0..t, so one comparison
+verifies the whole prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from replaynoise.data.loading import eos_ids, load_tokenizer, model_weights_dir, stop_token_ids
+from replaynoise.engines.base import (
+    ContinuationRequest,
+    ContinuationResult,
+    KeepLen,
+    PrefixSource,
+    Rollout,
+    RolloutRequest,
+    SamplingSettings,
+    VerificationError,
+    as_source,
+    scored_from,
+)
+from replaynoise.engines.vllm.build import build_llm, check_invariant_platform
+from replaynoise.engines.vllm.recipes import (
+    RECIPE_FORMAT,
+    read_recipe,
+    refeed_salt,
+    rollout_salt,
+    score_salt,
+    write_recipe,
+)
+from replaynoise.io import file_in
+from replaynoise.progress import Phases
+from replaynoise.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+#: vLLM finish reasons mapped onto the pipeline's ("eos": a stop token ended it; "length": the budget did)
+FINISH = {"stop": "eos", "length": "length"}
+
+
+class EngineError(RuntimeError):
+    """vLLM returned no usable result for a request (aborted, empty); the message names the request."""
+
+
+# --------------------------------------------------------------------------------------------- log-probs
+def _position(entry: dict, topk: int) -> tuple[list[int], list[float], bytes]:
+    """Top-k ids/log-probs of one position (by rank) and the exact bytes of everything vLLM returned."""
+    items = sorted(
+        ((lp.rank if lp.rank is not None else 1 << 30, -lp.logprob, tid, lp.logprob) for tid, lp in entry.items())
+    )
+    top = [(tid, value) for _, _, tid, value in items][:topk]
+    raw = b"".join(struct.pack("<qd", tid, value) for tid, value in sorted((t, v) for *_, t, v in items))
+    return [t for t, _ in top], [v for _, v in top], raw
+
+
+def chained_digests(raw_positions: list[bytes]) -> list[str]:
+    """digest[t] = H(digest[t-1] || bytes of position t): equal digest[t] means positions 0..t are all equal."""
+    out, prev = [], b""
+    for raw in raw_positions:
+        prev = hashlib.blake2b(prev + raw, digest_size=8).digest()
+        out.append(prev.hex())
+    return out
+
+
+@dataclass
+class Generated:
+    """One finished vLLM request, reduced to what the pipeline keeps."""
+
+    token_ids: list[int]
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+    raw: list[bytes]
+    finish_reason: str
+    cached_tokens: int
+    #: the raw log-prob of each generated token (vLLM returns the sampled token beside the top-k)
+    token_logprobs: list[float] | None = None
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(
+        self,
+        llm: Any,
+        tokenizer: Any,
+        eos_ids: set[int],
+        *,
+        topk: int,
+        block_size: int,
+        stop_ids: set[int] | frozenset = frozenset(),
+    ) -> None:
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.stop_ids = set(stop_ids)  # text tokens that end a response (configs.X.stop), stopped on like EOS
+        self.eos_ids = set(eos_ids) | self.stop_ids
+        self.topk = topk
+        self.block_size = block_size
+        #: rollouts whose decode-time blocks this process has produced: cache salt -> (prompt, result)
+        self._present: dict[str, tuple[list[int], Generated]] = {}
+        self._recipes: dict[str, dict] = {}
+        self.phases = Phases()
+
+    # ----------------------------------------------------------------------------------------- requests
+    def sampling_params(self, seed: int, temperature: float, top_p: float, max_tokens: int) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            seed=seed,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            logprobs=self.topk,
+            stop_token_ids=sorted(self.eos_ids),
+            detokenize=False,
+        )
+
+    def submit(self, prompts: list[tuple[list[int], str]], params: list, what: str) -> list[Generated]:
+        """Submit prompts (ids, cache salt) together, as one co-scheduled batch; engine errors propagate."""
+        from vllm.inputs import TokensPrompt
+
+        inputs = [TokensPrompt(prompt_token_ids=list(ids), cache_salt=salt) for ids, salt in prompts]
+        with self.phases("vLLM generate"):
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        if len(outputs) != len(inputs):
+            raise EngineError(f"{what}: vLLM returned {len(outputs)} results for {len(inputs)} requests")
+        results = []
+        for i, out in enumerate(outputs):
+            comp = out.outputs[0] if out.outputs else None
+            if comp is None or comp.finish_reason not in FINISH or comp.logprobs is None:
+                raise EngineError(
+                    f"{what}: request {i} (prompt of {len(prompts[i][0])} tokens) ended with "
+                    f"finish_reason {getattr(comp, 'finish_reason', None)!r}"
+                )
+            positions = [_position(entry, self.topk) for entry in comp.logprobs]
+            results.append(
+                Generated(
+                    list(comp.token_ids),
+                    [p[0] for p in positions],
+                    [p[1] for p in positions],
+                    [p[2] for p in positions],
+                    FINISH[comp.finish_reason],
+                    int(out.num_cached_tokens or 0),
+                    [entry[token].logprob for entry, token in zip(comp.logprobs, comp.token_ids)],
+                )
+            )
+        return results
+
+    def score_prefixes(self, prefixes: list[tuple[list[int], int]], label: str) -> list[list[float]]:
+        """The log-probs a fresh prefill gives each prefix's tokens from its start on: ``prefixes`` (ids, start),
+        one request each, all in one call, of one output token.
+
+        Apart from the pass's own requests on purpose: vLLM computes prompt log-probs only by prefilling the
+        whole prompt (a request that asks for them skips the prefix cache), so asking them of the pass's requests
+        would change how the pass computes its prefixes. These requests carry a salt of their own
+        (``score_salt``): no block they write can be read by a pass request, nor one of a pass by them."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        inputs = [TokensPrompt(prompt_token_ids=list(ids), cache_salt=score_salt(label)) for ids, _ in prefixes]
+        with self.phases("vLLM prefix scores"):
+            outputs = self.llm.generate(inputs, [params] * len(inputs), use_tqdm=False)
+        if len(outputs) != len(inputs):
+            raise EngineError(f"prefix scores: vLLM returned {len(outputs)} results for {len(inputs)} requests")
+        scores = []
+        for (ids, start), out in zip(prefixes, outputs):
+            entries = out.prompt_logprobs  # position 0 has none: nothing precedes it
+            if entries is None or len(entries) != len(ids):
+                raise EngineError(f"prefix scores: no prompt log-probs for a prefix of {len(ids)} tokens")
+            scores.append([entries[j][ids[j]].logprob for j in range(max(start, 1), len(ids))])
+        return scores
+
+    # ----------------------------------------------------------------------------------------- rollouts
+    def generate_rollouts(
+        self, requests: list[RolloutRequest], sampling: SamplingSettings, kv_dir: Path, keep_len: KeepLen
+    ) -> list[Rollout]:
+        """All requests go in as one batch; the recipe of each records that batch, so it can be regenerated."""
+        members = [
+            {
+                "problem_id": r.problem_id,
+                "prompt_ids": list(r.prompt_ids),
+                "seed": r.seed,
+                "cache_salt": rollout_salt(r.problem_id, r.seed),
+            }
+            for r in requests
+        ]
+        recipe = {
+            "format": RECIPE_FORMAT,
+            "engine": self.name,
+            "block_size": self.block_size,
+            "topk": self.topk,
+            "sampling": {
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "max_new_tokens": sampling.max_new_tokens,
+            },
+            "batch": members,
+        }
+        generated = self._run_recipe(recipe, f"rollouts {[m['problem_id'] for m in members]}")
+        rollouts = []
+        for index, (req, gen) in enumerate(zip(requests, generated)):
+            rollout = Rollout(
+                req.problem_id,
+                list(req.prompt_ids),
+                gen.token_ids,
+                gen.topk_ids,
+                gen.topk_logprobs,
+                chained_digests(gen.raw),
+                gen.finish_reason,
+                rollout=req.rollout,
+                token_logprobs=gen.token_logprobs,
+            )
+            keep = keep_len(rollout)
+            if keep > 0:
+                path = file_in(kv_dir, f"{req.key}.json")
+                rollout.kv_sha256 = write_recipe({**recipe, "index": index}, path)
+                rollout.kv_file, rollout.kv_len = str(path), keep
+            rollouts.append(rollout)
+        return rollouts
+
+    def _run_recipe(self, recipe: dict, what: str) -> list[Generated]:
+        s = recipe["sampling"]
+        prompts = [(m["prompt_ids"], m["cache_salt"]) for m in recipe["batch"]]
+        params = [
+            self.sampling_params(m["seed"], s["temperature"], s["top_p"], s["max_new_tokens"]) for m in recipe["batch"]
+        ]
+        generated = self.submit(prompts, params, what)
+        for member, gen in zip(recipe["batch"], generated):
+            self._present.setdefault(member["cache_salt"], (member["prompt_ids"], gen))
+        return generated
+
+    def regenerated_rollout(self, kv_file: str, kv_sha256: str | None) -> tuple[list[int], Generated]:
+        """A stored rollout's prompt and its generation in this process (regenerated on first use)."""
+        recipe = self._recipe(kv_file, kv_sha256)
+        member = recipe["batch"][recipe["index"]]
+        if member["cache_salt"] not in self._present:
+            log.info("regenerating %s (batch of %d) from %s", member["problem_id"], len(recipe["batch"]), kv_file)
+            self._run_recipe(recipe, f"regeneration from {kv_file}")
+        return self._present[member["cache_salt"]]
+
+    def _recipe(self, kv_file: str, kv_sha256: str | None) -> dict:
+        """A recipe, read and checked once per process."""
+        if kv_file not in self._recipes:
+            self._recipes[kv_file] = read_recipe(kv_file, kv_sha256)
+        return self._recipes[kv_file]
+
+    def _salt_of(self, kv_file: str) -> str:
+        recipe = self._recipes[kv_file]
+        return recipe["batch"][recipe["index"]]["cache_salt"]
+
+    def forget_rollouts(self) -> None:
+        """Drop the registry of regenerated rollouts (after the cache was reset, say): the next use regenerates."""
+        self._present.clear()
+
+    def _matches_rollout(self, req: ContinuationRequest, prompt: list[int], gen: Generated) -> bool:
+        """The regenerated rollout equals the stored one bitwise up to the pivot: tokens and log-probs."""
+        t = len(req.prefix_ids) - len(prompt)
+        return (
+            0 <= t < len(gen.token_ids)
+            and list(req.prefix_ids) == prompt + gen.token_ids[:t]
+            and chained_digests(gen.raw[: t + 1])[t] == req.expected_digest
+        )
+
+    # ----------------------------------------------------------------------------------------- continuations
+    def expected_cached(self, prompt_len: int) -> int:
+        """Tokens vLLM serves from cache for a prompt of ``prompt_len`` tokens whose prefix is all cached."""
+        return ((prompt_len - 1) // self.block_size) * self.block_size
+
+    def _prompt(self, req: ContinuationRequest, spec: PrefixSource) -> tuple[tuple[list[int], str], bool]:
+        """A continuation's prompt (prefix and branch token, with its cache salt) and whether its state is the
+        decode-time one so far: a resume regenerates the rollout and checks it bitwise against the stored one (its
+        cache hit is checked once the batch ran); a re-feed under the pass's salt reads no decode-time block."""
+        if spec.kind.resumes:
+            if req.kv_file is None:
+                raise VerificationError(f"pivot {req.pivot_id}: no stored rollout recipe to regenerate from")
+            prompt, gen = self.regenerated_rollout(req.kv_file, req.kv_sha256)
+            same = self._matches_rollout(req, prompt, gen)
+            if not same:
+                log.warning(
+                    "pivot %s: regenerated rollout from %s differs from the stored one: unverified",
+                    req.pivot_id,
+                    req.kv_file,
+                )
+            return (list(req.prefix_ids) + [req.branch_token], self._salt_of(req.kv_file)), same
+        ids = spec.kind.prompt_ids(req.prefix_ids, req.text_prefix_ids)
+        return (ids + [req.branch_token], refeed_salt(spec.label)), True
+
+    def run_batch(
+        self, requests: list[ContinuationRequest], source: str | PrefixSource, sampling: SamplingSettings
+    ) -> list[ContinuationResult]:
+        spec = as_source(source)
+        if not spec.plain:
+            raise ValueError(
+                f"prefix source {spec.label!r}: the vLLM engine keeps its KV inside vLLM, so it can "
+                "neither transplant a cache nor change the precision of a prefix or continuation; "
+                "run transplant and precision passes with engine: hf"
+            )
+        prompts, checks = zip(*(self._prompt(req, spec) for req in requests)) if requests else ((), ())
+        params = [
+            self.sampling_params(r.seed, sampling.temperature, sampling.top_p, sampling.max_new_tokens)
+            for r in requests
+        ]
+        generated = self.submit(list(prompts), params, f"{spec.kind} batch of {len(requests)}")
+        scored = {}  # once per pivot, on the row that measures its once-per-pivot channels, after the batch
+        for i, req in enumerate(requests):
+            start = scored_from(req, spec) if req.restep else None
+            if start is not None:
+                scored[i] = (list(req.prefix_ids), start)
+        scores = dict(zip(scored, self.score_prefixes(list(scored.values()), spec.label))) if scored else {}
+        results = []
+        for i, (req, (ids, _), same, gen) in enumerate(zip(requests, prompts, checks, generated)):
+            prefix_len = len(ids) - 1
+            expected = self.expected_cached(len(ids)) if spec.kind.resumes else None
+            verified = same
+            if expected is not None and gen.cached_tokens != expected:
+                log.warning(
+                    "pivot %s %s/%d: %d prefix tokens from cache, %d expected: unverified",
+                    req.pivot_id,
+                    req.branch,
+                    req.k,
+                    gen.cached_tokens,
+                    expected,
+                )
+                verified = False
+            results.append(
+                ContinuationResult(
+                    gen.token_ids,
+                    gen.finish_reason,
+                    verified,
+                    prefix_len,
+                    gen.topk_ids[0],
+                    gen.topk_logprobs[0],
+                    chained_digests(gen.raw[:1])[0],
+                    None,
+                    cached_tokens=gen.cached_tokens,
+                    expected_cached_tokens=expected,
+                    prefix_logprobs=scores.get(i),
+                )
+            )
+        return results
+
+
+def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: Phases) -> VLLMEngine:
+    """The vLLM engine of a configuration (``engines.make_engine``): a platform its invariant mode cannot run on is
+    refused before anything loads; vLLM loads the weights, compiles and captures its graphs in the engine build."""
+    s = EngineSettings.of(settings)
+    if s.kernels == "invariant":
+        check_invariant_platform(s.device)
+    with startup("weights check"):
+        weights = model_weights_dir(model_dir)
+    with startup("engine build"):
+        tokenizer = load_tokenizer(weights)
+        llm = build_llm(weights, settings, topk=topk, threads=threads)
+        return VLLMEngine(
+            llm,
+            tokenizer,
+            eos_ids(weights, tokenizer),
+            topk=topk,
+            block_size=settings["block_size"],
+            stop_ids=stop_token_ids(tokenizer, s.stop),
+        )

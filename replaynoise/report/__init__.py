@@ -1,0 +1,1 @@
+"""Report: the tables, figures and summaries a run and a reference are read through, and the cost statement."""
