@@ -20,6 +20,7 @@ import yaml
 from filelock import FileLock
 
 from replaynoise.config import validate_config
+from replaynoise.engines.base import ContinuationRequest
 from replaynoise.engines.hf.engine import HFEngine, HFOptions
 from replaynoise.generation.replay import PassJob
 from replaynoise.generation.rollouts import RolloutJob
@@ -251,3 +252,30 @@ def pass_job(
         sampling=sampling,
         replay=ReplaySettings(k=k, batch_size=batch_size, probe_tokens=probe_tokens, sample_sizes=sample_sizes or {}),
     )
+
+
+def keep_all(r) -> int:
+    """Keep a rollout's whole decode-time KV (the tests' keep function: every position can be a pivot)."""
+    return len(r.prompt_ids) + len(r.response_ids) - 1
+
+
+def interior_rows(rollouts, ks=(0, 1), seed=lambda t, k: 7 * t + k, name="{r.problem_id}@{t}", **given):
+    """Rows that resume every rollout at every interior position t, one per k: a pivot's rows share its prefix
+    and read the rollout's decode-time KV. ``given``: further fields, each a function of (rollout, t, k)."""
+    return [
+        ContinuationRequest(
+            pivot_id=name.format(r=r, t=t),
+            branch="orig",
+            k=k,
+            seed=seed(t, k),
+            prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]),
+            branch_token=r.response_ids[t],
+            kv_file=r.kv_file,
+            kv_sha256=r.kv_sha256,
+            expected_digest=r.logits_digests[t],
+            **{field: value(r, t, k) for field, value in given.items()},
+        )
+        for r in rollouts
+        for t in range(1, len(r.response_ids) - 1)
+        for k in ks
+    ]

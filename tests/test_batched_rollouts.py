@@ -14,7 +14,7 @@ from dataclasses import replace
 import polars as pl
 import pytest
 import torch
-from helpers import hf_engine
+from helpers import hf_engine, interior_rows, keep_all
 from tinymodel import Tokenizer, tiny_llama
 
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
@@ -34,10 +34,6 @@ def model():
 def requests() -> list[RolloutRequest]:
     # prompts of different lengths, so every row but the longest is left-padded
     return [RolloutRequest(f"p{i}", tuple(range(1, 4 + 3 * i)), seed=100 + i, rollout=i % 2) for i in range(5)]
-
-
-def keep_all(r) -> int:
-    return len(r.prompt_ids) + len(r.response_ids) - 1
 
 
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
@@ -63,21 +59,7 @@ def test_batched_rollouts_store_each_rows_own_unpadded_kv(model, tmp_path, decod
 
 
 def pivot_requests(rollouts) -> list[ContinuationRequest]:
-    return [
-        ContinuationRequest(
-            pivot_id=f"{r.problem_id}.r{r.rollout}@{t}",
-            branch="orig",
-            k=0,
-            seed=1,
-            prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]),
-            branch_token=r.response_ids[t],
-            kv_file=r.kv_file,
-            kv_sha256=r.kv_sha256,
-            expected_digest=r.logits_digests[t],
-        )
-        for r in rollouts
-        for t in range(1, len(r.response_ids) - 1)
-    ]
+    return interior_rows(rollouts, ks=(0,), seed=lambda t, k: 1, name="{r.problem_id}.r{r.rollout}@{t}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

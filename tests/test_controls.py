@@ -10,7 +10,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 import torch
-from helpers import hf_engine
+from helpers import hf_engine, interior_rows, keep_all
 from tinymodel import Tokenizer, tiny_llama
 
 from replaynoise.analysis import controls
@@ -22,10 +22,6 @@ from replaynoise.generation.passes import PASSES, pass_spec, schedule_of
 SAMPLING = SamplingSettings(temperature=1.0, top_p=1.0, max_new_tokens=20)
 
 
-def keep_all(r) -> int:
-    return len(r.prompt_ids) + len(r.response_ids) - 1
-
-
 def continuation_requests(model, tmp_path, decode: str) -> list[ContinuationRequest]:
     """Two rows per pivot (two seeds) at every position of four batched rollouts."""
     made = hf_engine(model, Tokenizer(), decode=decode).generate_rollouts(
@@ -34,22 +30,7 @@ def continuation_requests(model, tmp_path, decode: str) -> list[ContinuationRequ
         tmp_path,
         keep_all,
     )
-    return [
-        ContinuationRequest(
-            pivot_id=f"{r.problem_id}@{t}",
-            branch="orig",
-            k=k,
-            seed=100 * t + k,
-            prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]),
-            branch_token=r.response_ids[t],
-            kv_file=r.kv_file,
-            kv_sha256=r.kv_sha256,
-            expected_digest=r.logits_digests[t],
-        )
-        for r in made
-        for t in range(1, len(r.response_ids) - 1)
-        for k in range(2)
-    ]
+    return interior_rows(made, seed=lambda t, k: 100 * t + k)
 
 
 def outputs(results) -> list[tuple]:

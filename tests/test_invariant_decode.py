@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import hf_engine
+from helpers import hf_engine, interior_rows, keep_all
 from tinymodel import Tokenizer, tiny_llama
 
 from replaynoise.config import ConfigError, validate_config
@@ -39,28 +39,9 @@ def requests() -> list[RolloutRequest]:
     return [RolloutRequest(f"p{i}", tuple(range(1, 2 + 3 * i)), seed=100 + i, rollout=i % 2) for i in range(7)]
 
 
-def keep_all(r) -> int:
-    return len(r.prompt_ids) + len(r.response_ids) - 1
-
-
 def continuation_rows(rollouts) -> list[ContinuationRequest]:
     """Two rows (other seeds) at every interior position of every rollout: a pivot's rows share its prefix."""
-    return [
-        ContinuationRequest(
-            pivot_id=f"{r.problem_id}.r{r.rollout}@{t}",
-            branch="orig",
-            k=k,
-            seed=7 * t + k,
-            prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]),
-            branch_token=r.response_ids[t],
-            kv_file=r.kv_file,
-            kv_sha256=r.kv_sha256,
-            expected_digest=r.logits_digests[t],
-        )
-        for r in rollouts
-        for t in range(1, len(r.response_ids) - 1)
-        for k in (0, 1)
-    ]
+    return interior_rows(rollouts, name="{r.problem_id}.r{r.rollout}@{t}")
 
 
 def channels(results) -> list[tuple]:

@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from helpers import TINY_ON_SMOLLM2, clone_run, hf_engine, snakemake
+from helpers import TINY_ON_SMOLLM2, clone_run, hf_engine, interior_rows, keep_all, snakemake
 from tinymodel import VOCAB, Tokenizer, tiny_llama
 
 from replaynoise.analysis.prefix_mismatch import METRICS, credit_link, mismatch_rows, mismatch_summary, token_metrics
@@ -71,29 +71,16 @@ def engine(model, kernels: str, decode: str) -> HFEngine:
 
 def made(eng: HFEngine, kv_dir):
     reqs = [RolloutRequest(f"p{i}", tuple(range(1, 3 + 3 * i)), seed=100 + i) for i in range(5)]
-    return eng.generate_rollouts(reqs, ROLLOUT, kv_dir, lambda r: len(r.prompt_ids) + len(r.response_ids) - 1)
+    return eng.generate_rollouts(reqs, ROLLOUT, kv_dir, keep_all)
 
 
 def rows_of(rollouts, scored: bool) -> list[ContinuationRequest]:
     """Two rows per pivot, at every interior position; the first row of each pivot measures it."""
-    return [
-        ContinuationRequest(
-            pivot_id=f"{r.problem_id}@{t}",
-            branch="orig",
-            k=k,
-            seed=7 * t + k,
-            prefix_ids=tuple(r.prompt_ids + r.response_ids[:t]),
-            branch_token=r.response_ids[t],
-            kv_file=r.kv_file,
-            kv_sha256=r.kv_sha256,
-            expected_digest=r.logits_digests[t],
-            restep=k == 0,
-            response_start=len(r.prompt_ids) if scored else None,
-        )
-        for r in rollouts
-        for t in range(1, len(r.response_ids) - 1)
-        for k in (0, 1)
-    ]
+    return interior_rows(
+        rollouts,
+        restep=lambda r, t, k: k == 0,
+        response_start=lambda r, t, k: len(r.prompt_ids) if scored else None,
+    )
 
 
 @pytest.mark.parametrize("kernels,decode", PATHS)

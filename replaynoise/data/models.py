@@ -292,37 +292,33 @@ def prepared_model_key(spec: str, dtype: str) -> str:
     return f"{slug}-{stable_hash(str(source.resolve()))[:8]}-{dtype}"
 
 
-def context_length(spec: str) -> int | None:
-    """How many positions the model attends over (None where a local config.json does not say)."""
+def _config_int(spec: str, pinned: str, keys: tuple[str, ...]) -> int | None:
+    """A size the model states: a packaged model's pinned value, else the first of ``keys`` a local config.json
+    holds as an integer (None where it holds none)."""
     kind, source = resolve_model_spec(spec)
     if kind == "packaged":
-        return source.context
+        return getattr(source, pinned)
     config = read_json(source / "config.json")
     config = config.get("text_config") or config  # multimodal configs keep the language model's apart
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+    for key in keys:
         if isinstance(config.get(key), int):
             return config[key]
     return None
 
 
+def context_length(spec: str) -> int | None:
+    """How many positions the model attends over (None where a local config.json does not say)."""
+    return _config_int(spec, "context", ("max_position_embeddings", "n_positions", "max_sequence_length"))
+
+
 def attention_heads(spec: str) -> int | None:
     """How many attention heads the model has (None where a local config.json does not say)."""
-    kind, source = resolve_model_spec(spec)
-    if kind == "packaged":
-        return source.heads
-    config = read_json(source / "config.json")
-    config = config.get("text_config") or config
-    return config.get("num_attention_heads") if isinstance(config.get("num_attention_heads"), int) else None
+    return _config_int(spec, "heads", ("num_attention_heads",))
 
 
 def hidden_layers(spec: str) -> int | None:
     """How many decoder layers the model has (None where a local config.json does not say)."""
-    kind, source = resolve_model_spec(spec)
-    if kind == "packaged":
-        return source.layers
-    config = read_json(source / "config.json")
-    config = config.get("text_config") or config
-    return config.get("num_hidden_layers") if isinstance(config.get("num_hidden_layers"), int) else None
+    return _config_int(spec, "layers", ("num_hidden_layers",))
 
 
 def engine_context(settings: dict) -> int | None:
