@@ -76,13 +76,14 @@ CAMPAIGNS = (
     sorted((REPO / "config" / "campaigns").glob("*.yaml"))
     + sorted((REPO / "config" / "campaigns" / "gpu").glob("*.yaml"))
     + sorted((REPO / "config" / "campaigns" / "gpu-vllm").glob("*.yaml"))
+    + sorted((REPO / "config" / "campaigns" / "gpu-vllm" / "ladder").glob("*.yaml"))
 )
 
 
 @pytest.mark.parametrize(
     "path",
     CAMPAIGNS + sorted((REPO / "config" / "campaigns" / "paper-variants").glob("*.yaml")) + [DEFAULT_CONFIG_PATH],
-    ids=lambda p: p.stem,
+    ids=lambda p: f"{p.parent.name}/{p.stem}",
 )
 def test_every_campaign_file_passes_the_duplicate_key_check_and_validates(path):
     """The files use merge keys (``<<: *gpu``) with overrides: neither is a duplicate."""
