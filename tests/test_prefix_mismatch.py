@@ -13,7 +13,14 @@ import torch
 from helpers import TINY_ON_SMOLLM2, clone_run, hf_engine, interior_rows, keep_all, snakemake
 from tinymodel import VOCAB, Tokenizer, tiny_llama
 
-from replaynoise.analysis.prefix_mismatch import METRICS, credit_link, mismatch_rows, mismatch_summary, token_metrics
+from replaynoise.analysis.prefix_mismatch import (
+    METRICS,
+    credit_link,
+    logit_link,
+    mismatch_rows,
+    mismatch_summary,
+    token_metrics,
+)
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
 from replaynoise.engines.hf.engine import HFEngine
 from replaynoise.io import read_json, read_parquet
@@ -190,6 +197,20 @@ def test_the_link_finds_flips_that_follow_the_mismatch():
     assert fit["reason"] is None and fit["coef_per_sd"] > 0 and fit["ci_lo"] > 0 and fit["n_clusters"] == 10
     assert [b["n"] for b in link["bins"]] == [15] * 4
     assert link["bins"][-1]["refeed_flip_rate"] > link["bins"][0]["refeed_flip_rate"]
+
+
+def test_a_link_whose_slope_runs_away_gives_its_reason_not_the_optimisers_last_digits():
+    """reference/gpu-vllm/ladder/smollm2's largest-token-shift fit did not converge (odds ratio 3.5e127 per SD)
+    and its digits moved between two CPUs: a mismatch that separates the flips gives no number."""
+    rng = np.random.default_rng(0)
+    mismatch = 10 ** rng.uniform(-8, -2, 80)
+    clusters = np.arange(80) % 10
+    separated = logit_link(mismatch > 1e-4, mismatch, clusters, 0.95)
+    assert separated["reason"] == "the fit did not converge (separation)"
+    assert separated["coef_per_sd"] is None and separated["odds_ratio_per_sd"] is None
+    noisy = (mismatch > 1e-4) ^ (np.arange(80) < 6)  # six pivots on the wrong side: a finite slope
+    fit = logit_link(noisy, mismatch, clusters, 0.95)
+    assert fit["reason"] is None and 0 < fit["coef_per_sd"] < 20
 
 
 def test_the_summary_pools_tokens_and_says_the_sentence_with_the_tables_excess():

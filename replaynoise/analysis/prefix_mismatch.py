@@ -11,6 +11,7 @@ construction; only passes that build their own prefix state are scored.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 import polars as pl
 from scipy.stats import mannwhitneyu
 from statsmodels.discrete.discrete_model import Logit
+from statsmodels.tools.sm_exceptions import ConvergenceWarning
 from statsmodels.tools.tools import add_constant
 
 from replaynoise.analysis.conditionings import CONDITIONINGS, select_pivots, wide_frame
@@ -186,15 +188,19 @@ def logit_link(flip: np.ndarray, metric: np.ndarray, clusters: np.ndarray, ci: f
         return out
     z = (x - x.mean()) / x.std()
     try:
-        fit = Logit(flip.astype(np.float64), add_constant(z)).fit(
-            disp=0, cov_type="cluster", cov_kwds={"groups": clusters}
-        )
+        with warnings.catch_warnings(), np.errstate(over="ignore"):  # non-convergence is reported below, by reason
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            fit = Logit(flip.astype(np.float64), add_constant(z)).fit(
+                disp=0, cov_type="cluster", cov_kwds={"groups": clusters}
+            )
     except (np.linalg.LinAlgError, ValueError) as exc:  # statsmodels' perfect separation is a ValueError
         out["reason"] = f"the fit failed: {exc}"
         return out
     lo, hi = fit.conf_int(alpha=1 - ci)[1]
     coef = float(fit.params[1])
-    if not np.isfinite(coef) or not np.isfinite(fit.bse[1]):
+    # a slope that runs away (quasi-separation: a few pivots of extreme mismatch, all flipped) stops wherever the
+    # optimiser's iterations end, so its digits move with the CPU's last bits: no number, the reason instead
+    if not fit.mle_retvals.get("converged", True) or not np.isfinite(coef) or not np.isfinite(fit.bse[1]):
         out["reason"] = "the fit did not converge (separation)"
         return out
     out.update(
