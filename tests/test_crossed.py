@@ -15,6 +15,8 @@ from replaynoise.analysis.comparison import compare_passes
 from replaynoise.analysis.replicated import components, crossed_interval, plan, replicated_stats
 from replaynoise.config import analysis_hash, validate_config
 from replaynoise.generation.passes import draw_name, pass_spec, replicate_pairs, run_passes
+from replaynoise.io import read_json, read_parquet
+from replaynoise.settings import AnalysisSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import coverage  # noqa: E402
@@ -49,6 +51,23 @@ def test_a_pass_component_estimated_at_zero_still_widens_the_interval_by_its_few
     assert stat["components"]["pass_sd"] == 0.0
     assert stat["df"] < 29  # a problem-only t would have G - 1 = 29 degrees of freedom
     assert stat["components"]["pass_sd_ci_lo"] == 0.0 and stat["components"]["pass_sd_ci_hi"] > 0
+
+
+def test_a_pass_component_of_rounding_alone_is_zero_with_a_finite_interval():
+    """The ladder's SmolLM2 main set: every pair's excess nearly the same, MS_pairs and MS_residual equal but for
+    their last bits. The difference was a pass component of 1e-19, Satterthwaite's degrees of freedom 0 and the
+    component's lower bound NaN (null in comparison.json, a bare "0.0" in the table)."""
+    folder = Path(__file__).resolve().parents[1] / "reference" / "gpu-vllm" / "ladder" / "smollm2"
+    config = read_json(folder / "provenance.json")["config"]
+    credit = {
+        p: read_parquet(folder / "credit" / "smollm2-135m-vllm" / f"{p}.parquet") for p in run_passes(config["replay"])
+    }
+    result = compare_passes(credit, AnalysisSettings.of(config["analysis"], config["seed"]))
+    crossed = result["conditionings"]["main"]["replicated"]["excess_pp"]["crossed"]
+    ms = crossed["components"]["mean_squares"]
+    assert ms["pairs"] == pytest.approx(ms["residual"], rel=1e-12)  # the case itself
+    assert crossed["components"]["pass_sd"] == 0.0 and crossed["components"]["pass_sd_ci_lo"] == 0.0
+    assert 0 < crossed["components"]["pass_sd_ci_hi"] < 10 and crossed["ci_lo"] < 0 < crossed["ci_hi"]
 
 
 def test_replicated_stats_pool_the_pairs_and_keep_each_pair_s_own_excess():

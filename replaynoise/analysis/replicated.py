@@ -113,14 +113,22 @@ def components(s: np.ndarray, n: np.ndarray) -> tuple[float, Components]:
     ms_r = g * float(((cols - grand) ** 2).sum()) / (r - 1)
     ms_e = float(((e - rows[:, None] - cols[None, :] + grand) ** 2).sum()) / ((g - 1) * (r - 1))
     comp = Components(
-        problem=max(0.0, (ms_p - ms_e) / r),
-        pass_level=max(0.0, (ms_r - ms_e) / g),
+        problem=_excess_over(ms_p, ms_e) / r,
+        pass_level=_excess_over(ms_r, ms_e) / g,
         residual=ms_e,
         n_problems=g,
         n_pairs=r,
         mean_squares=(ms_p, ms_r, ms_e),
     )
     return estimate, comp
+
+
+def _excess_over(ms: float, ms_e: float) -> float:
+    """MS - MS_residual, 0 where it is not positive or is rounding alone: two mean squares of one value summed in
+    another order differ in their last bits, and a component of 1e-19 would set Satterthwaite's degrees of freedom
+    to 0 and its interval to NaN (the ladder's SmolLM2 main set, where every pair's excess is nearly the same)."""
+    diff = ms - ms_e
+    return diff if diff > 1e-9 * max(abs(ms), abs(ms_e)) else 0.0
 
 
 def pass_level_interval(comp: Components, ci: float) -> tuple[float, float]:
