@@ -17,7 +17,7 @@ from replaynoise.analysis.comparison import compare_passes
 from replaynoise.io import read_manifest, write_json
 from replaynoise.power import main as power_main
 from replaynoise.provenance import verify_manifest
-from replaynoise.reference import channel_data, main
+from replaynoise.reference import channel_data, float_drift, main, whole_pairs
 from replaynoise.snapshots import compare, snapshot
 
 GPU = Path(__file__).resolve().parents[1] / "reference" / "gpu"
@@ -202,8 +202,6 @@ def test_tables_rewrites_a_folders_tables_from_its_comparisons_and_their_manifes
 
 
 def test_float_drift_counts_a_zero_computed_as_1e_17_as_drift_but_not_a_changed_small_value(tmp_path):
-    from replaynoise.reference import float_drift
-
     (tmp_path / "a.json").write_text(json.dumps({"coef": 0.0, "t": 2.5, "p": 1e-6}))
     (tmp_path / "b.json").write_text(json.dumps({"coef": 9.4e-17, "t": 2.5000000000000004, "p": 1e-6}))
     (tmp_path / "c.json").write_text(json.dumps({"coef": 0.0, "t": 2.5, "p": 2e-6}))
@@ -211,7 +209,14 @@ def test_float_drift_counts_a_zero_computed_as_1e_17_as_drift_but_not_a_changed_
     assert float_drift(tmp_path / "a.json", tmp_path / "c.json") > 1e-9
 
 
-@pytest.mark.parametrize("folder", sorted(p.parent.name for p in (GPU.parent / "gpu-vllm").glob("*/provenance.json")))
+@pytest.mark.parametrize(
+    "folder",
+    sorted(
+        p.parent.relative_to(GPU.parent / "gpu-vllm").as_posix()
+        for record in ("provenance.json", "partial.json")
+        for p in (GPU.parent / "gpu-vllm").glob(f"**/{record}")
+    ),
+)
 def test_every_vllm_reference_rebuilds_from_its_credit_tables(folder, tmp_path, capsys):
     """The paper-regime vLLM references: statistics, pooling, tables and figures recomputed on this CPU from the
     committed credit tables agree with the committed files (bitwise, or within last-bit float drift)."""
@@ -369,3 +374,30 @@ def test_power_planning_reads_a_pilot_s_components_and_refuses_a_pilot_of_one_dr
     five, forty = rows
     assert float(forty[-1]) > float(five[-1])  # power at the pilot's size grows with the excess
     assert power_main([str(tmp_path), "--config", "one"]) == 2
+
+
+LADDER = GPU.parent / "gpu-vllm" / "ladder"
+
+
+def test_a_run_cut_short_keeps_its_whole_pairs_of_draws_and_rebuilds_as_committed(tmp_path, capsys):
+    """The ladder's 1.5B rung stopped with the lease: exact, replica, refeed and replica_r2 finished. ``partial``
+    compares exact with the one whole pair (replica_r2's partner, refeed_replica, never ran), and its folder
+    rebuilds to the committed files."""
+    committed = LADDER / "qwen-1.5b-partial"
+    out = tmp_path / "kept"
+    campaign = Path(__file__).resolve().parents[1] / "config" / "campaigns" / "gpu-vllm" / "ladder" / "qwen-1.5b.yaml"
+    assert main(["partial", str(committed), str(campaign), str(out)]) == 0
+    record = json.loads((out / "partial.json").read_text())
+    assert record["passes_run"] == ["exact", "replica", "replica_r2", "refeed"]
+    assert record["passes_compared"] == ["exact", "replica", "refeed"]
+    for rel in ("analysis/qwen2.5-coder-1.5b-vllm/comparison.json", "tables/headline.csv"):
+        assert float_drift(committed / rel, out / rel) <= 1e-9
+    assert main(["rebuild", str(out), str(tmp_path / "again")]) == 0, capsys.readouterr().out
+
+
+def test_whole_pairs_leave_out_a_draw_without_its_partner_and_need_exact():
+    assert whole_pairs(["exact", "replica", "refeed", "replica_r2"]) == ["exact", "replica", "refeed"]
+    both = ["exact", "replica", "replica_r2", "refeed", "refeed_replica"]
+    assert whole_pairs(both) == ["exact", "replica", "refeed", "replica_r2", "refeed_replica"]
+    with pytest.raises(ValueError, match="no exact pass"):
+        whole_pairs(["replica", "refeed"])
