@@ -7,12 +7,14 @@
 # transformers pinned in requirements.txt (see requirements-vllm.txt); .venv is left exactly as it was.
 # bash install.sh --vllm-cuda  instead makes ./.venv-vllm-cuda for NVIDIA GPUs (requirements-vllm-cuda.txt: vllm
 # 0.26.0 with the torch 2.11.0 it pins, CUDA 13 builds; docs/vllm.md).
+# bash install.sh --sglang-cuda  instead makes ./.venv-sglang-cuda for the SGLang engine (requirements-sglang-cuda.txt:
+# sglang 0.5.16 with the torch 2.11.0 and transformers 5.12.1 it pins; NVIDIA GPUs only; docs/sglang.md).
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 case "${1:-}" in
-  ""|--vllm|--vllm-cuda) ;;
-  *) echo "install.sh: unknown option '${1}' (expected none, --vllm or --vllm-cuda)" >&2; exit 2 ;;
+  ""|--vllm|--vllm-cuda|--sglang-cuda) ;;
+  *) echo "install.sh: unknown option '${1}' (expected none, --vllm, --vllm-cuda or --sglang-cuda)" >&2; exit 2 ;;
 esac
 
 make_env() {  # make_env DIR REQUIREMENTS
@@ -40,4 +42,5 @@ make_env .venv requirements.txt
 case "${1:-}" in
   --vllm) make_env .venv-vllm requirements-vllm.txt ;;
   --vllm-cuda) make_env .venv-vllm-cuda requirements-vllm-cuda.txt ;;
+  --sglang-cuda) make_env .venv-sglang-cuda requirements-sglang-cuda.txt ;;
 esac

@@ -131,20 +131,34 @@ UNHASHED_VLLM_KEYS = ("gpu_memory_utilization",)
 
 def _fill_engine_settings(schema: dict, config: dict, as_given: dict) -> None:
     """Settings that exist only where they apply, filled there by each configuration's engine
-    (``engines.registry``: a vllm configuration's ``vllm`` block, every key its schema default) and
-    ``replay.serial_pivots`` where the serial pass runs. Filling them everywhere would change the settings, and so
-    the analysis hash and the rerun triggers, of every configuration that does not use them. ``as_given`` is the
-    configuration before the schema's defaults were filled in: a derived default (eager, by device and kernels)
-    must tell a value the user gave from a filled one."""
-    vllm_schema = schema["properties"]["configs"]["additionalProperties"]["properties"]["vllm"]
+    (``engines.registry``: a vllm configuration's ``vllm`` block, an sglang one's ``sglang`` block, every key its
+    schema default) and ``replay.serial_pivots`` where the serial pass runs. Filling them everywhere would change the
+    settings, and so the analysis hash and the rerun triggers, of every configuration that does not use them. A
+    block of another engine is refused, whatever it holds (a tensor_parallel_size of "2" once crashed the parse).
+    ``as_given`` is the configuration before the schema's defaults were filled in: a derived default (eager, by
+    device and kernels) must tell a value the user gave from a filled one."""
+    blocks = schema["properties"]["configs"]["additionalProperties"]["properties"]
     for name, settings in (config.get("configs") or {}).items():
         if not isinstance(settings, dict) or settings.get("engine") not in ENGINES:
             continue  # the schema names it
-        given = ((as_given.get("configs") or {}).get(name) or {}).get("vllm", {})
+        engine, entry = settings["engine"], ENGINES[settings["engine"]]
+        for other, other_entry in ENGINES.items():
+            if other_entry.block not in (None, entry.block) and other_entry.block in settings:
+                raise ConfigError(
+                    f"config key configs.{name}.{other_entry.block}: settings of the {other} engine, but this "
+                    f"configuration's engine is {engine!r}; remove the block{entry.foreign_block_hint} or set "
+                    f"engine: {other}"
+                )
+        given = ((as_given.get("configs") or {}).get(name) or {}).get(entry.block, {}) if entry.block else {}
         if not isinstance(given, dict):
             continue  # not a mapping: the schema names it
-        ENGINES[settings["engine"]].settings.prepare(
-            name, settings, given, schema=vllm_schema, validate=_refuse_invalid, fill_defaults=_fill_defaults
+        entry.settings.prepare(
+            name,
+            settings,
+            given,
+            schema=blocks[entry.block] if entry.block else {},
+            validate=_refuse_invalid,
+            fill_defaults=_fill_defaults,
         )
     replay = config.get("replay")
     if isinstance(replay, dict) and "serial" in (replay.get("passes") or []):

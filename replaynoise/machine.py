@@ -1,5 +1,5 @@
-"""What the machine a run starts on, or a cluster's node, must offer: the GPUs a model job holds, vLLM where a
-configuration names it, and whether an overlay also runs the default configurations. Checked by the Snakefile
+"""What the machine a run starts on, or a cluster's node, must offer: the GPUs a model job holds, vLLM or SGLang where
+a configuration names it, and whether an overlay also runs the default configurations. Checked by the Snakefile
 before the first job, which would otherwise fail on it after seconds to minutes with a raw traceback."""
 
 from __future__ import annotations
@@ -11,6 +11,10 @@ from pathlib import Path
 import yaml
 
 from replaynoise.config import DEFAULT_CONFIG_PATH, tensor_parallel_size
+from replaynoise.engines.registry import ENGINES
+
+#: how the refusal names an engine's package
+PACKAGE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 
 
 def job_gpus(settings: dict) -> int:
@@ -29,11 +33,11 @@ def platform_problems(config: dict, *, conda: bool = False, dev: Path = Path("/d
         gpus = min(gpus, len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]))
     other_gpu = (dev / "dxg").exists() or (dev / "kfd").exists()  # WSL2's and ROCm's devices
     for name, settings in sorted(config["configs"].items()):
-        if settings["engine"] == "vllm" and not conda and importlib.util.find_spec("vllm") is None:
+        entry = ENGINES.get(settings["engine"])
+        if entry is not None and entry.package and not conda and importlib.util.find_spec(entry.package) is None:
             problems.append(
-                f"config key configs.{name}.engine: 'vllm', but vLLM is not installed for this "
-                "interpreter; install it (bash install.sh --vllm) and run its snakemake "
-                "(.venv-vllm/bin/snakemake), or run with --use-conda"
+                f"config key configs.{name}.engine: {settings['engine']!r}, but {PACKAGE_NAMES[entry.package]} is "
+                f"not installed for this interpreter; {entry.install}, or run with --use-conda"
             )
         device = settings["device"]
         if device.startswith("cuda") and not other_gpu:

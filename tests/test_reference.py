@@ -15,9 +15,10 @@ from helpers import analysis_settings
 
 from replaynoise.analysis.comparison import compare_passes
 from replaynoise.io import read_manifest, write_json
+from replaynoise.partials import whole_pairs
 from replaynoise.power import main as power_main
 from replaynoise.provenance import verify_manifest
-from replaynoise.reference import channel_data, float_drift, main, whole_pairs
+from replaynoise.reference import channel_data, float_drift, main
 from replaynoise.snapshots import compare, snapshot
 
 GPU = Path(__file__).resolve().parents[1] / "reference" / "gpu"

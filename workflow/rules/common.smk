@@ -271,8 +271,14 @@ def replay_params(pass_name):
     }
 
 
-#: The conda env of model rules, by engine: vLLM is an optional extra with its own pins (requirements-vllm.txt).
-ENGINE_ENVS = {"hf": "../../envs/torch.yaml", "vllm": "../../envs/vllm.yaml", "vllm-cuda": "../../envs/vllm-cuda.yaml"}
+#: The conda env of model rules, by engine: vLLM and SGLang are optional extras with their own pins
+#: (requirements-vllm*.txt, requirements-sglang-cuda.txt).
+ENGINE_ENVS = {
+    "hf": "../../envs/torch.yaml",
+    "vllm": "../../envs/vllm.yaml",
+    "vllm-cuda": "../../envs/vllm-cuda.yaml",
+    "sglang": "../../envs/sglang-cuda.yaml",
+}
 
 
 def engine_env(wildcards):

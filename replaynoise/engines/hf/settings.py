@@ -1,5 +1,5 @@
 """The HF engine's settings, read when a configuration is read (no torch import): the one decoder shape of an
-invariant configuration that decodes statically, and the refusal of another engine's settings block."""
+invariant configuration that decodes statically."""
 
 from __future__ import annotations
 
@@ -9,14 +9,7 @@ from replaynoise.settings import INVARIANT_PROMPT, INVARIANT_ROWS, ConfigError
 
 
 def prepare(name: str, settings: dict, given: dict, **_: Any) -> None:
-    """Before the schema is applied: a block of another engine's settings is refused, whatever it holds (a
-    tensor_parallel_size of "2" once crashed the parse)."""
-    if "vllm" in settings:
-        raise ConfigError(
-            f"config key configs.{name}.vllm: settings of the vllm engine, but this configuration's "
-            f"engine is {settings.get('engine')!r}; remove the block (tensor parallelism too: the "
-            "HF engine runs on one GPU) or set engine: vllm"
-        )
+    """Nothing to fill: the HF engine has no settings block (another engine's is refused by ``config``)."""
 
 
 def derive(name: str, settings: dict, replay: dict) -> None:

@@ -22,10 +22,8 @@ verifies the whole prefix.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +40,18 @@ from replaynoise.engines.base import (
     as_source,
     scored_from,
 )
-from replaynoise.engines.vllm.build import build_llm, check_invariant_platform
-from replaynoise.engines.vllm.recipes import (
+from replaynoise.engines.recipes import (
     RECIPE_FORMAT,
+    Generated,
+    checked_result,
+    matches_rollout,
     read_recipe,
     refeed_salt,
     rollout_salt,
     score_salt,
-    write_recipe,
+    stored_rollouts,
 )
-from replaynoise.io import file_in
+from replaynoise.engines.vllm.build import build_llm, check_invariant_platform
 from replaynoise.progress import Phases
 from replaynoise.settings import EngineSettings
 
@@ -74,29 +74,6 @@ def _position(entry: dict, topk: int) -> tuple[list[int], list[float], bytes]:
     top = [(tid, value) for _, _, tid, value in items][:topk]
     raw = b"".join(struct.pack("<qd", tid, value) for tid, value in sorted((t, v) for *_, t, v in items))
     return [t for t, _ in top], [v for _, v in top], raw
-
-
-def chained_digests(raw_positions: list[bytes]) -> list[str]:
-    """digest[t] = H(digest[t-1] || bytes of position t): equal digest[t] means positions 0..t are all equal."""
-    out, prev = [], b""
-    for raw in raw_positions:
-        prev = hashlib.blake2b(prev + raw, digest_size=8).digest()
-        out.append(prev.hex())
-    return out
-
-
-@dataclass
-class Generated:
-    """One finished vLLM request, reduced to what the pipeline keeps."""
-
-    token_ids: list[int]
-    topk_ids: list[list[int]]
-    topk_logprobs: list[list[float]]
-    raw: list[bytes]
-    finish_reason: str
-    cached_tokens: int
-    #: the raw log-prob of each generated token (vLLM returns the sampled token beside the top-k)
-    token_logprobs: list[float] | None = None
 
 
 class VLLMEngine:
@@ -220,26 +197,7 @@ class VLLMEngine:
             "batch": members,
         }
         generated = self._run_recipe(recipe, f"rollouts {[m['problem_id'] for m in members]}")
-        rollouts = []
-        for index, (req, gen) in enumerate(zip(requests, generated)):
-            rollout = Rollout(
-                req.problem_id,
-                list(req.prompt_ids),
-                gen.token_ids,
-                gen.topk_ids,
-                gen.topk_logprobs,
-                chained_digests(gen.raw),
-                gen.finish_reason,
-                rollout=req.rollout,
-                token_logprobs=gen.token_logprobs,
-            )
-            keep = keep_len(rollout)
-            if keep > 0:
-                path = file_in(kv_dir, f"{req.key}.json")
-                rollout.kv_sha256 = write_recipe({**recipe, "index": index}, path)
-                rollout.kv_file, rollout.kv_len = str(path), keep
-            rollouts.append(rollout)
-        return rollouts
+        return stored_rollouts(requests, generated, recipe, kv_dir, keep_len)
 
     def _run_recipe(self, recipe: dict, what: str) -> list[Generated]:
         s = recipe["sampling"]
@@ -275,15 +233,6 @@ class VLLMEngine:
         """Drop the registry of regenerated rollouts (after the cache was reset, say): the next use regenerates."""
         self._present.clear()
 
-    def _matches_rollout(self, req: ContinuationRequest, prompt: list[int], gen: Generated) -> bool:
-        """The regenerated rollout equals the stored one bitwise up to the pivot: tokens and log-probs."""
-        t = len(req.prefix_ids) - len(prompt)
-        return (
-            0 <= t < len(gen.token_ids)
-            and list(req.prefix_ids) == prompt + gen.token_ids[:t]
-            and chained_digests(gen.raw[: t + 1])[t] == req.expected_digest
-        )
-
     # ----------------------------------------------------------------------------------------- continuations
     def expected_cached(self, prompt_len: int) -> int:
         """Tokens vLLM serves from cache for a prompt of ``prompt_len`` tokens whose prefix is all cached."""
@@ -297,7 +246,7 @@ class VLLMEngine:
             if req.kv_file is None:
                 raise VerificationError(f"pivot {req.pivot_id}: no stored rollout recipe to regenerate from")
             prompt, gen = self.regenerated_rollout(req.kv_file, req.kv_sha256)
-            same = self._matches_rollout(req, prompt, gen)
+            same = matches_rollout(req, prompt, gen)
             if not same:
                 log.warning(
                     "pivot %s: regenerated rollout from %s differs from the stored one: unverified",
@@ -330,37 +279,12 @@ class VLLMEngine:
             if start is not None:
                 scored[i] = (list(req.prefix_ids), start)
         scores = dict(zip(scored, self.score_prefixes(list(scored.values()), spec.label))) if scored else {}
-        results = []
-        for i, (req, (ids, _), same, gen) in enumerate(zip(requests, prompts, checks, generated)):
-            prefix_len = len(ids) - 1
-            expected = self.expected_cached(len(ids)) if spec.kind.resumes else None
-            verified = same
-            if expected is not None and gen.cached_tokens != expected:
-                log.warning(
-                    "pivot %s %s/%d: %d prefix tokens from cache, %d expected: unverified",
-                    req.pivot_id,
-                    req.branch,
-                    req.k,
-                    gen.cached_tokens,
-                    expected,
-                )
-                verified = False
-            results.append(
-                ContinuationResult(
-                    gen.token_ids,
-                    gen.finish_reason,
-                    verified,
-                    prefix_len,
-                    gen.topk_ids[0],
-                    gen.topk_logprobs[0],
-                    chained_digests(gen.raw[:1])[0],
-                    None,
-                    cached_tokens=gen.cached_tokens,
-                    expected_cached_tokens=expected,
-                    prefix_logprobs=scores.get(i),
-                )
+        return [
+            checked_result(
+                req, len(ids), same, gen, self.expected_cached(len(ids)) if spec.kind.resumes else None, scores.get(i)
             )
-        return results
+            for i, (req, (ids, _), same, gen) in enumerate(zip(requests, prompts, checks, generated))
+        ]
 
 
 def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: Phases) -> VLLMEngine:

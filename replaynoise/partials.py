@@ -1,0 +1,91 @@
+"""Partial reference folders: what a run cut short by its lease finished, kept as a folder of its own.
+
+`python -m replaynoise.reference partial RESULTS CAMPAIGN FOLDER` copies the per-pivot credit tables, pivots,
+problems, logs and timings, compares exact with the whole pairs of draws that finished (exact with replica draw r and
+refeed draw r, for r = 1 .. R) and writes its headline tables, ``partial.json`` (the configuration, and which passes
+ran and which the comparison uses) and a manifest. ``reference.rebuild`` recomputes such a folder as it does a
+finished one; what needs the replayed rows (the channels, the cache counts, the prefix mismatch) is not there.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from replaynoise.analysis.comparison import compare_passes
+from replaynoise.config import analysis_hash, validate_config
+from replaynoise.generation.passes import replicate_pairs, run_passes
+from replaynoise.io import read_json, read_parquet, sha256_file, write_json
+from replaynoise.report.headline import headline_rows
+from replaynoise.report.tables import write_headline_tables
+from replaynoise.settings import AnalysisSettings
+from replaynoise.snapshots import check_destination
+
+PARTIAL_FILE = "partial.json"
+#: what a cut-short run's results keep in a partial reference folder (``partial``), as far as the run made them
+PARTIAL_PARTS = ("credit", "pivots", "problems", "logs", "benchmarks")
+
+
+def whole_pairs(present: list[str]) -> list[str]:
+    """The passes a comparison of a cut-short run can use: exact and the pairs (replica draw r, refeed draw r) whose
+    both draws finished, r = 1 .. R without a gap; a draw whose partner did not finish is left out."""
+    pairs = replicate_pairs(present)
+    if "exact" not in present or not pairs:
+        raise ValueError(f"passes {sorted(present)}: no exact pass with a whole pair of replica and refeed draws")
+    return ["exact", *(name for pair in pairs for name in pair)]
+
+
+def rebuild_partial(reference: Path, out: Path) -> list[Path]:
+    """A partial folder's comparison and headline tables (see ``partial``), recomputed into ``out``."""
+    record = read_json(reference / PARTIAL_FILE)
+    config, name = record["config"], record["configuration"]
+    stats = AnalysisSettings.of(config["analysis"], config["seed"])
+    credits = {p: read_parquet(reference / "credit" / name / f"{p}.parquet") for p in record["passes_compared"]}
+    result = compare_passes(credits, stats)
+    result.update(config=name, kernels=config["configs"][name]["kernels"], analysis_hash=analysis_hash(config))
+    written = [out / "analysis" / name / "comparison.json"]
+    write_json(result, written[0])
+    tables = [out / "tables" / f"headline.{ext}" for ext in ("csv", "md", "tex")]
+    csv_file, md, tex = tables
+    write_headline_tables(headline_rows({name: result}), result["analysis_hash"], csv_file, md, tex, [])
+    return written + tables
+
+
+def partial(results: Path, campaign: Path, reference: Path, note: str = "") -> list[Path]:
+    """Keep a cut-short run of ``campaign`` (its one configuration) from ``results`` as the partial reference folder
+    ``reference``: what finished (``PARTIAL_PARTS``), ``partial.json``, the comparison of the whole pairs of draws,
+    its tables and a manifest. Returns the files written."""
+    results, reference = Path(results), Path(reference)
+    config = validate_config(yaml.safe_load(Path(campaign).read_text()))
+    if len(config["configs"]) != 1:
+        raise ValueError(
+            f"{campaign}: a partial folder keeps one configuration, this file has {sorted(config['configs'])}"
+        )
+    name = next(iter(config["configs"]))
+    planned = run_passes(config["replay"])
+    present = [p for p in planned if (results / "credit" / name / f"{p}.parquet").is_file()]
+    compared = whole_pairs(present)
+    check_destination(reference, [results], "partial")
+    if reference.exists() and any(reference.iterdir()):
+        raise ValueError(f"{reference}: not empty; partial writes a new folder")
+    for part in PARTIAL_PARTS:
+        if (results / part).is_dir():
+            shutil.copytree(results / part, reference / part)
+    record = {
+        "campaign": Path(campaign).as_posix(),
+        "configuration": name,
+        "passes_planned": planned,
+        "passes_run": present,
+        "passes_compared": compared,
+        "note": note,
+        "config": config,
+    }
+    write_json(record, reference / PARTIAL_FILE)
+    written = rebuild_partial(reference, reference)
+    files = sorted(p for p in reference.rglob("*") if p.is_file() and p.name != "MANIFEST.sha256")
+    (reference / "MANIFEST.sha256").write_text(
+        "".join(f"{sha256_file(p)}  {p.relative_to(reference).as_posix()}\n" for p in files)
+    )
+    return written
