@@ -9,6 +9,7 @@ import copy
 import importlib.util
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from helpers import configuration
 from replaynoise.config import analysis_hash, validate_config
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings, VerificationError
 from replaynoise.engines.recipes import chained_digests, read_recipe
-from replaynoise.engines.sglang.engine import SGLangEngine, engine_kwargs
+from replaynoise.engines.sglang.engine import EngineError, SGLangEngine, checked_server_args, engine_kwargs
 from replaynoise.machine import platform_problems
 from replaynoise.settings import ConfigError
 
@@ -61,7 +62,7 @@ def test_the_engine_gets_the_keys_given_and_the_deterministic_mode():
 @pytest.mark.parametrize(
     ("given", "message"),
     [
-        ({"kernels": "stock"}, r"configs\.s\.kernels: 'stock' with engine sglang.*sampling_seed|own seed"),
+        ({"kernels": "stock"}, r"configs\.s\.kernels: 'stock' with engine sglang\. .* its own seed"),
         ({"device": "cpu"}, r"configs\.s\.device: 'cpu' with engine sglang"),
         ({"sglang": {"disable_radix_cache": True}}, r"configs\.s\.sglang\.disable_radix_cache: true"),
         ({"sglang": {"attention_backend": "flashinfer"}}, r"configs\.s\.sglang\.attention_backend: 'flashinfer'"),
@@ -103,11 +104,13 @@ class RadixStandIn:
     request's prompt and output cover, less its last token, in whole pages (SGLang's radix-tree match)."""
 
     def __init__(self, page_size: int = 1, forget: bool = False) -> None:
-        self.page_size, self.forget, self.tree = page_size, forget, []
+        self.page_size, self.forget, self.tree, self.calls = page_size, forget, [], []
 
     def generate(self, input_ids, sampling_params, return_logprob=True, top_logprobs_num=0, logprob_start_len=None):
+        self.calls.append(len(input_ids))
+        starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * len(input_ids)
         outputs = []
-        for ids, params in zip(input_ids, sampling_params):
+        for ids, params, start in zip(input_ids, sampling_params, starts):
             common = [
                 next((i for i, (a, b) in enumerate(zip(ids, seq)) if a != b), min(len(ids), len(seq)))
                 for seq in self.tree
@@ -121,8 +124,8 @@ class RadixStandIn:
                 "output_token_logprobs": [(-0.25 - 0.01 * j, t, None) for j, t in enumerate(tokens)],
                 "output_top_logprobs": [[(-0.25, t, None), (-1.5, t + 1, None)][:top_logprobs_num] for t in tokens],
             }
-            if logprob_start_len is not None:
-                meta["input_token_logprobs"] = [(-0.5, t, None) for t in ids[logprob_start_len:]]
+            if start is not None:  # tokens start, start + 1, ...: the first has no value (SGLang's shape)
+                meta["input_token_logprobs"] = [(None if j == 0 else -0.5, t, None) for j, t in enumerate(ids[start:])]
             outputs.append({"output_ids": tokens, "meta_info": meta})
             self.tree.append(list(ids) + tokens)
         return outputs
@@ -168,8 +171,10 @@ def test_rollouts_store_an_sglang_recipe_and_each_tokens_log_prob(stored):
 
 
 def test_exact_regenerates_in_a_new_process_and_reads_the_decode_time_state(stored):
-    fresh = engine(RadixStandIn(page_size=1))
+    stand_in = RadixStandIn(page_size=1)
+    fresh = engine(stand_in)
     results = fresh.run_batch([continuation(r, 3) for r in stored], "decode_kv", SAMPLING)
+    assert stand_in.calls == [2, 2]  # the rollouts' batch regenerated once for both, then the continuations
     for rollout, result in zip(stored, results):
         assert (
             result.verified and result.expected_cached_tokens == len(rollout.prompt_ids) + 3
@@ -205,6 +210,15 @@ def test_a_prefix_is_scored_from_its_response_start(stored):
     assert result.prefix_logprobs == [-0.5] * 3  # the three response tokens of the prefix
 
 
+def test_what_sglang_made_of_the_settings_is_checked_once_built():
+    settings = validate_config(sglang_config())["configs"]["s"]
+    built = SimpleNamespace(disable_radix_cache=False, page_size=1, attention_backend="fa3")
+    assert checked_server_args(built, settings) == 1
+    assert checked_server_args(SimpleNamespace(**{**built.__dict__, "page_size": 128}), settings) == 128
+    with pytest.raises(EngineError, match="turned its radix cache off"):
+        checked_server_args(SimpleNamespace(**{**built.__dict__, "disable_radix_cache": True}), settings)
+
+
 def test_transplants_are_refused_by_the_engine_too(stored):
     from replaynoise.engines.base import PrefixKind, PrefixSource
 
@@ -226,15 +240,23 @@ def gpu_engine(model_dir: Path):
     importlib.util.find_spec("sglang") is None or not torch.cuda.is_available(),
     reason="the SGLang engine runs on an NVIDIA GPU with SGLang installed (bash install.sh --sglang-cuda)",
 )
-def test_on_a_gpu_exact_reads_the_decode_time_state_and_the_deterministic_mode_is_exactly_zero(smollm2_dir, tmp_path):
+def test_on_a_gpu_exact_reads_the_decode_time_state_in_any_batch_and_a_refeed_misses_it(smollm2_dir, tmp_path):
+    """The deterministic mode's promise, checked: a resumed continuation is the same alone and in another batch, and
+    reads the decode-time state. Whether a re-feed then equals it is the finding a campaign reports (SGLang's own
+    test expects decode and prefill log-probs to differ), so it is printed, not asserted."""
     built = gpu_engine(smollm2_dir)
     sampling = SamplingSettings(temperature=0.7, top_p=0.95, max_new_tokens=24)
     prompt = tuple(built.tokenizer("What is 17 + 25?")["input_ids"])
     (rollout,) = built.generate_rollouts([RolloutRequest("q", prompt, seed=3)], sampling, tmp_path, lambda r: 24)
     request = continuation(rollout, 8, branch=rollout.response_ids[8])
-    (exact,) = built.run_batch([request], "decode_kv", sampling)
-    assert exact.verified and exact.cached_tokens == exact.expected_cached_tokens
+    (alone,) = built.run_batch([request], "decode_kv", sampling)
+    other = ContinuationRequest(**{**continuation(rollout, 12).__dict__, "pivot_id": "q/r0@12", "seed": 9})
+    batched, _ = built.run_batch([request, other], "decode_kv", sampling)
+    for result in (alone, batched):
+        assert result.verified and result.cached_tokens == result.expected_cached_tokens
+    assert (batched.token_ids, batched.next_topk_logprobs) == (alone.token_ids, alone.next_topk_logprobs)
     assert built.engine.flush_cache().success  # a re-feed pass runs in a process of its own: an empty tree
     (refeed,) = built.run_batch([request], "refeed_ids", sampling)
     assert refeed.cached_tokens == 0  # the re-feed missed the decode-time state and computed its prefix
-    assert refeed.next_topk_logprobs == exact.next_topk_logprobs and refeed.token_ids == exact.token_ids
+    same = refeed.next_topk_logprobs == alone.next_topk_logprobs
+    print(f"deterministic mode, exact vs re-feed first step bitwise equal: {same}")

@@ -91,6 +91,11 @@ def _position(top: list, sampled: tuple, topk: int) -> tuple[list[int], list[flo
     return [int(tid) for _, tid, *_ in top[:topk]], [float(lp) for lp, *_ in top[:topk]], raw
 
 
+def member_key(member: dict) -> str:
+    """A rollout of a recipe's batch: its problem and seed (the seed is drawn per problem and rollout)."""
+    return f"{member['problem_id']}:{member['seed']}"
+
+
 class SGLangEngine:
     name = "sglang"
 
@@ -110,7 +115,7 @@ class SGLangEngine:
         self.eos_ids = set(eos) | self.stop_ids
         self.topk = topk
         self.page_size = page_size
-        #: rollouts whose decode-time KV this process holds: recipe file -> (prompt, result)
+        #: rollouts whose decode-time KV this process holds: ``member_key`` -> (prompt, result)
         self._present: dict[str, tuple[list[int], Generated]] = {}
         self._recipes: dict[str, dict] = {}
         self.phases = Phases()
@@ -155,24 +160,25 @@ class SGLangEngine:
         return results
 
     def score_prefixes(self, prefixes: list[tuple[list[int], int]]) -> list[list[float]]:
-        """The log-probs a prefill gives each prefix's tokens from ``start`` on (one output token per request). SGLang
-        computes input log-probs from ``logprob_start_len`` on and matches its cache only up to there, so the
-        scored positions are prefilled here, not read from the pass's cache."""
+        """The log-probs a prefill gives each prefix's tokens from ``start`` on, all prefixes in one call of one
+        output token each. With ``logprob_start_len`` s SGLang matches its cache below s alone, computes the rest,
+        and returns entries for tokens s, s + 1, ..., the first without a value (it would need the logits before s):
+        so s is the token before the first one scored, and its entry is dropped."""
+        firsts = [max(start, 1) for _, start in prefixes]
+        with self.phases("SGLang prefix scores"):
+            outputs = self.engine.generate(
+                input_ids=[list(ids) for ids, _ in prefixes],
+                sampling_params=[{"temperature": 0.0, "max_new_tokens": 1} for _ in prefixes],
+                return_logprob=True,
+                logprob_start_len=[first - 1 for first in firsts],
+            )
         scores = []
-        for ids, start in prefixes:  # one start per request: SGLang takes logprob_start_len for the whole call
-            first = max(start, 1)
-            with self.phases("SGLang prefix scores"):
-                out = self.engine.generate(
-                    input_ids=[list(ids)],
-                    sampling_params=[{"temperature": 0.0, "max_new_tokens": 1}],
-                    return_logprob=True,
-                    logprob_start_len=first,  # entry j: the log-prob of token first + j, given the tokens before
-                )[0]
-            entries = out["meta_info"].get("input_token_logprobs") or []
-            values = [float(lp) for lp, *_ in entries]
-            if len(values) != len(ids) - first:
+        for (ids, _), first, out in zip(prefixes, firsts, outputs):
+            entries = (out["meta_info"].get("input_token_logprobs") or [])[1:]
+            values = [lp for lp, *_ in entries]
+            if len(values) != len(ids) - first or any(lp is None for lp in values):
                 raise EngineError(f"prefix scores: {len(values)} log-probs for {len(ids) - first} prefix tokens")
-            scores.append(values)
+            scores.append([float(lp) for lp in values])
         return scores
 
     # ----------------------------------------------------------------------------------------- rollouts
@@ -200,16 +206,19 @@ class SGLangEngine:
         return self.submit([m["prompt_ids"] for m in recipe["batch"]], params, what)
 
     def regenerated_rollout(self, kv_file: str, kv_sha256: str | None) -> tuple[list[int], Generated]:
-        """A stored rollout's prompt and its generation in this process (its batch regenerated on first use)."""
+        """A stored rollout's prompt and its generation in this process. Its whole batch is regenerated on first
+        use and every member registered, so a batch runs once: SGLang's radix tree keeps the first copy of equal
+        keys, so a second regeneration would be checked but never read."""
         if kv_file not in self._recipes:
             self._recipes[kv_file] = read_recipe(kv_file, kv_sha256, engine=self.name)
         recipe = self._recipes[kv_file]
-        if kv_file not in self._present:
-            log.info("regenerating %s (batch of %d) from %s", kv_file, len(recipe["batch"]), kv_file)
+        key = member_key(recipe["batch"][recipe["index"]])
+        if key not in self._present:
+            log.info("regenerating a batch of %d from %s", len(recipe["batch"]), kv_file)
             generated = self._run_recipe(recipe, f"regeneration from {kv_file}")
-            member = recipe["batch"][recipe["index"]]
-            self._present[kv_file] = (member["prompt_ids"], generated[recipe["index"]])
-        return self._present[kv_file]
+            for member, gen in zip(recipe["batch"], generated):
+                self._present.setdefault(member_key(member), (member["prompt_ids"], gen))
+        return self._present[key]
 
     # ----------------------------------------------------------------------------------------- continuations
     def expected_cached(self, prompt_len: int) -> int:
@@ -273,12 +282,32 @@ def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: 
         kwargs = engine_kwargs(settings)
         log.info("SGLang engine: %s", ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
         engine = sglang.Engine(model_path=str(weights), tokenizer_path=str(weights), **kwargs)
+        page_size = checked_server_args(engine.server_args, settings)
         tokenizer = load_tokenizer(weights)
         return SGLangEngine(
             engine,
             tokenizer,
             eos_ids(weights, tokenizer),
             topk=topk,
-            page_size=settings["sglang"]["page_size"],
+            page_size=page_size,
             stop_ids=stop_token_ids(tokenizer, s.stop),
         )
+
+
+def checked_server_args(server_args: Any, settings: dict) -> int:
+    """What SGLang made of the settings once built, where it overrides them by GPU: its radix cache must be on (its
+    deterministic mode turns it off where it picks flashinfer, on Blackwell for one) and its page size is the one
+    the exact pass's expected hits are computed with (fa4 on SM100 forces 128). Returns that page size."""
+    if server_args.disable_radix_cache:
+        raise EngineError(
+            f"SGLang turned its radix cache off (attention backend {server_args.attention_backend!r}, deterministic "
+            f"{settings['kernels'] == 'invariant'}): the exact pass could not read the decode-time state; set "
+            "sglang.attention_backend to fa3 or triton"
+        )
+    if server_args.page_size != settings["sglang"]["page_size"]:
+        log.warning(
+            "SGLang runs with page_size %d, not the %d configured",
+            server_args.page_size,
+            settings["sglang"]["page_size"],
+        )
+    return int(server_args.page_size)
