@@ -107,6 +107,7 @@ ELSEWHERE = {
     "configs.*.invariant_rows": "derived for hf invariant static decode; in the settings of every model step",
     "configs.*.invariant_context": "derived for hf invariant static decode; in the settings of every model step",
     "configs.*.vllm": "a vllm configuration's engine settings, in the settings of its every model step",
+    "configs.*.sglang": "an sglang configuration's engine settings, in the settings of its every model step",
     "configs.*.train": "the training recipe (test_training.py: a changed train setting retrains and remeasures)",
     "rollouts.screen.rule": "mixed needs 2 rollouts a problem; its siblings above show the screen is select_pivots'",
     "replay.passes": "a pass added runs alone (test_crossed.py, test_workflow.py's control passes)",
@@ -117,11 +118,11 @@ ELSEWHERE = {
 
 def schema_keys(schema: dict, path: str = "") -> list[str]:
     """Every leaf key of the schema, configs.* standing for any configuration, a block the table treats as one
-    (vllm, train, resources.rules) as itself."""
+    (vllm, sglang, train, resources.rules) as itself."""
     keys = []
     for key, sub in schema.get("properties", {}).items():
         here = f"{path}.{key}" if path else key
-        if here in ("configs.*.vllm", "configs.*.train", "resources.rules"):
+        if here in ("configs.*.vllm", "configs.*.sglang", "configs.*.train", "resources.rules"):
             keys.append(here)
         elif sub.get("type") == "object" and "properties" in sub:
             keys += schema_keys(sub, here)
