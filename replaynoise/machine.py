@@ -13,9 +13,6 @@ import yaml
 from replaynoise.config import DEFAULT_CONFIG_PATH, tensor_parallel_size
 from replaynoise.engines.registry import ENGINES
 
-#: how the refusal names an engine's package
-PACKAGE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
-
 
 def job_gpus(settings: dict) -> int:
     """GPUs a model job of a configuration holds: its tensor parallelism on cuda, none on a CPU."""
@@ -36,7 +33,7 @@ def platform_problems(config: dict, *, conda: bool = False, dev: Path = Path("/d
         entry = ENGINES.get(settings["engine"])
         if entry is not None and entry.package and not conda and importlib.util.find_spec(entry.package) is None:
             problems.append(
-                f"config key configs.{name}.engine: {settings['engine']!r}, but {PACKAGE_NAMES[entry.package]} is "
+                f"config key configs.{name}.engine: {settings['engine']!r}, but {entry.package_name} is "
                 f"not installed for this interpreter; {entry.install}, or run with --use-conda"
             )
         device = settings["device"]

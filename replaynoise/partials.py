@@ -17,7 +17,8 @@ import yaml
 from replaynoise.analysis.comparison import compare_passes
 from replaynoise.config import analysis_hash, validate_config
 from replaynoise.generation.passes import replicate_pairs, run_passes
-from replaynoise.io import read_json, read_parquet, sha256_file, write_json
+from replaynoise.io import read_json, read_parquet, write_json
+from replaynoise.provenance import write_manifest
 from replaynoise.report.headline import headline_rows
 from replaynoise.report.tables import write_headline_tables
 from replaynoise.settings import AnalysisSettings
@@ -84,8 +85,5 @@ def partial(results: Path, campaign: Path, reference: Path, note: str = "") -> l
     }
     write_json(record, reference / PARTIAL_FILE)
     written = rebuild_partial(reference, reference)
-    files = sorted(p for p in reference.rglob("*") if p.is_file() and p.name != "MANIFEST.sha256")
-    (reference / "MANIFEST.sha256").write_text(
-        "".join(f"{sha256_file(p)}  {p.relative_to(reference).as_posix()}\n" for p in files)
-    )
+    write_manifest([reference], reference, reference / "MANIFEST.sha256")
     return written

@@ -24,6 +24,12 @@ from replaynoise.io import file_in, sha256_file, write_json
 log = logging.getLogger(__name__)
 
 RECIPE_FORMAT = 1
+#: a serving engine's finish reasons mapped onto the pipeline's ("eos": a stop token ended it; "length": the budget)
+FINISH = {"stop": "eos", "length": "length"}
+
+
+class EngineError(RuntimeError):
+    """A serving engine returned no usable result for a request (aborted, empty); the message names the request."""
 
 
 @dataclass

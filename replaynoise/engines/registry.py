@@ -24,6 +24,8 @@ class EngineEntry:
     block: str | None = None
     #: the module a job imports to build it, where it is an optional extra; refused before any job when absent
     package: str | None = None
+    #: that package's name in the refusal
+    package_name: str = ""
     #: what installs that package, for the refusal
     install: str = ""
     #: said of the engine where a configuration of it gives another engine's block
@@ -41,6 +43,7 @@ ENGINES: dict[str, EngineEntry] = {
         "replaynoise.engines.vllm.engine:build",
         block="vllm",
         package="vllm",
+        package_name="vLLM",
         install="install it (bash install.sh --vllm) and run its snakemake (.venv-vllm/bin/snakemake)",
     ),
     "sglang": EngineEntry(
@@ -48,6 +51,7 @@ ENGINES: dict[str, EngineEntry] = {
         "replaynoise.engines.sglang.engine:build",
         block="sglang",
         package="sglang",
+        package_name="SGLang",
         install="install it (bash install.sh --sglang-cuda) and run its snakemake (.venv-sglang-cuda/bin/snakemake)",
     ),
 }

@@ -38,7 +38,9 @@ from replaynoise.engines.base import (
     scored_from,
 )
 from replaynoise.engines.recipes import (
+    FINISH,
     RECIPE_FORMAT,
+    EngineError,
     Generated,
     checked_result,
     matches_rollout,
@@ -50,8 +52,6 @@ from replaynoise.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
-#: SGLang finish reasons mapped onto the pipeline's
-FINISH = {"stop": "eos", "length": "length"}
 #: ``sglang`` block keys passed to ``sglang.Engine`` as they are (None: SGLang's default, so not passed)
 ENGINE_KEYS = (
     "attention_backend",
@@ -63,10 +63,6 @@ ENGINE_KEYS = (
     "page_size",
     "context_length",
 )
-
-
-class EngineError(RuntimeError):
-    """SGLang returned no usable result for a request (aborted, empty); the message names the request."""
 
 
 def engine_kwargs(settings: dict) -> dict:

@@ -41,7 +41,9 @@ from replaynoise.engines.base import (
     scored_from,
 )
 from replaynoise.engines.recipes import (
+    FINISH,
     RECIPE_FORMAT,
+    EngineError,
     Generated,
     checked_result,
     matches_rollout,
@@ -56,13 +58,6 @@ from replaynoise.progress import Phases
 from replaynoise.settings import EngineSettings
 
 log = logging.getLogger(__name__)
-
-#: vLLM finish reasons mapped onto the pipeline's ("eos": a stop token ended it; "length": the budget did)
-FINISH = {"stop": "eos", "length": "length"}
-
-
-class EngineError(RuntimeError):
-    """vLLM returned no usable result for a request (aborted, empty); the message names the request."""
 
 
 # --------------------------------------------------------------------------------------------- log-probs
