@@ -14,7 +14,7 @@ LADDER = ROOT / "reference" / "gpu-vllm" / "ladder"
 ROWS = {
     "Qwen2.5-Coder-0.5B, stock": "qwen-0.5b",
     "SmolLM2-135M, stock": "smollm2",
-    "Qwen2.5-Coder-1.5B, stock, partial": "qwen-1.5b-partial",
+    "Qwen2.5-Coder-1.5B, stock": "qwen-1.5b",
     "Qwen2.5-Coder-1.5B, batch-invariant": "qwen-invariant",
 }
 

@@ -380,20 +380,30 @@ def test_power_planning_reads_a_pilot_s_components_and_refuses_a_pilot_of_one_dr
 LADDER = GPU.parent / "gpu-vllm" / "ladder"
 
 
-def test_a_run_cut_short_keeps_its_whole_pairs_of_draws_and_rebuilds_as_committed(tmp_path, capsys):
-    """The ladder's 1.5B rung stopped with the lease: exact, replica, refeed and replica_r2 finished. ``partial``
-    compares exact with the one whole pair (replica_r2's partner, refeed_replica, never ran), and its folder
-    rebuilds to the committed files."""
-    committed = LADDER / "qwen-1.5b-partial"
+def test_a_run_cut_short_keeps_its_whole_pairs_of_draws_and_agrees_with_the_finished_run(tmp_path, capsys):
+    """A lease that ends after exact, replica, refeed and replica_r2 (as the ladder's first 1.5B lease did): cut
+    the committed 1.5B rung's credit tables there, and ``partial`` compares exact with the one whole pair
+    (replica_r2's partner, refeed_replica, never ran) and gets the finished run's first pair to the bit; its folder
+    rebuilds."""
+    full, name = LADDER / "qwen-1.5b", "qwen2.5-coder-1.5b-vllm"
+    results = tmp_path / "results"
+    (results / "credit" / name).mkdir(parents=True)
+    for done in ("exact", "replica", "refeed", "replica_r2"):
+        shutil.copy(full / "credit" / name / f"{done}.parquet", results / "credit" / name)
+    campaign = tmp_path / "qwen-1.5b.yaml"
+    campaign.write_text(json.dumps(json.loads((full / "provenance.json").read_text())["config"]))
     out = tmp_path / "kept"
-    campaign = tmp_path / "qwen-1.5b.yaml"  # the campaign file as it ran (the committed one keeps more problems since)
-    campaign.write_text(json.dumps(json.loads((committed / "partial.json").read_text())["config"]))
-    assert main(["partial", str(committed), str(campaign), str(out)]) == 0
+    assert main(["partial", str(results), str(campaign), str(out)]) == 0
     record = json.loads((out / "partial.json").read_text())
     assert record["passes_run"] == ["exact", "replica", "replica_r2", "refeed"]
     assert record["passes_compared"] == ["exact", "replica", "refeed"]
-    for rel in ("analysis/qwen2.5-coder-1.5b-vllm/comparison.json", "tables/headline.csv"):
-        assert float_drift(committed / rel, out / rel) <= 1e-9
+    kept, finished = (
+        json.loads((folder / "analysis" / name / "comparison.json").read_text())["conditionings"]["main"]
+        for folder in (out, full)
+    )
+    assert kept.get("replicated") is None  # one pair of draws: no interval over draws
+    assert kept["by_metric"]["sign"]["excess_pp"] == finished["replicated"]["pairs"][0]
+    assert kept["per_problem_t"] == finished["per_problem_t"]  # the finished run's unreplicated block: its first pair
     assert main(["rebuild", str(out), str(tmp_path / "again")]) == 0, capsys.readouterr().out
 
 
