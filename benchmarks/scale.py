@@ -33,6 +33,7 @@ from pipeline import rows_for
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from replaynoise.config import validate_config
+from replaynoise.data.models import PACKAGED_MODELS, prepared_model_key
 from replaynoise.data.preparation import prepare_model
 from replaynoise.io import read_json, write_json
 from replaynoise.provenance import git_commit, hardware
@@ -275,8 +276,11 @@ def report(run: Path, configfile: Path, out: Path | None, commit: str | None = N
     rows = rows_for(run, config)
     shapes = {}
     for row in rows:
-        spec = config["configs"][row["config"]]["model"]
+        settings = config["configs"][row["config"]]
+        spec = settings["model"]
         model_dir = Path(spec) if Path(spec).is_absolute() else run / spec
+        if spec in PACKAGED_MODELS:  # a packaged model's config.json is in its prepared directory
+            model_dir = run / "results" / "models" / prepared_model_key(spec, settings["dtype"])
         shapes.setdefault(spec, model_costs(read_json(model_dir / "config.json")))
         row.update(
             engine=config["configs"][row["config"]]["engine"],
