@@ -33,18 +33,17 @@ from replaynoise.engines.base import (
     Rollout,
     RolloutRequest,
     SamplingSettings,
-    VerificationError,
     as_source,
     scored_from,
 )
 from replaynoise.engines.recipes import (
     FINISH,
-    RECIPE_FORMAT,
     EngineError,
     Generated,
     checked_result,
-    matches_rollout,
     read_recipe,
+    resume_matches,
+    rollout_recipe,
     stored_rollouts,
 )
 from replaynoise.progress import Phases
@@ -182,18 +181,8 @@ class SGLangEngine:
         self, requests: list[RolloutRequest], sampling: SamplingSettings, kv_dir: Path, keep_len: KeepLen
     ) -> list[Rollout]:
         """All requests go in as one batch; the recipe of each records that batch, so it can be regenerated."""
-        recipe = {
-            "format": RECIPE_FORMAT,
-            "engine": self.name,
-            "page_size": self.page_size,
-            "topk": self.topk,
-            "sampling": {
-                "temperature": sampling.temperature,
-                "top_p": sampling.top_p,
-                "max_new_tokens": sampling.max_new_tokens,
-            },
-            "batch": [{"problem_id": r.problem_id, "prompt_ids": list(r.prompt_ids), "seed": r.seed} for r in requests],
-        }
+        batch = [{"problem_id": r.problem_id, "prompt_ids": list(r.prompt_ids), "seed": r.seed} for r in requests]
+        recipe = rollout_recipe(self.name, self.topk, sampling, batch, page_size=self.page_size)
         generated = self._run_recipe(recipe, f"rollouts {[r.problem_id for r in requests]}")
         return stored_rollouts(requests, generated, recipe, kv_dir, keep_len)
 
@@ -225,13 +214,7 @@ class SGLangEngine:
     def _prompt(self, req: ContinuationRequest, spec: PrefixSource) -> tuple[list[int], bool]:
         if not spec.kind.resumes:
             return spec.kind.prompt_ids(req.prefix_ids, req.text_prefix_ids) + [req.branch_token], True
-        if req.kv_file is None:
-            raise VerificationError(f"pivot {req.pivot_id}: no stored rollout recipe to regenerate from")
-        prompt, gen = self.regenerated_rollout(req.kv_file, req.kv_sha256)
-        same = matches_rollout(req, prompt, gen)
-        if not same:
-            log.warning("pivot %s: regenerated rollout from %s differs: unverified", req.pivot_id, req.kv_file)
-        return list(req.prefix_ids) + [req.branch_token], same
+        return list(req.prefix_ids) + [req.branch_token], resume_matches(req, self.regenerated_rollout)
 
     def run_batch(
         self, requests: list[ContinuationRequest], source: str | PrefixSource, sampling: SamplingSettings

@@ -36,19 +36,18 @@ from replaynoise.engines.base import (
     Rollout,
     RolloutRequest,
     SamplingSettings,
-    VerificationError,
     as_source,
     scored_from,
 )
 from replaynoise.engines.recipes import (
     FINISH,
-    RECIPE_FORMAT,
     EngineError,
     Generated,
     checked_result,
-    matches_rollout,
     read_recipe,
     refeed_salt,
+    resume_matches,
+    rollout_recipe,
     rollout_salt,
     score_salt,
     stored_rollouts,
@@ -179,18 +178,7 @@ class VLLMEngine:
             }
             for r in requests
         ]
-        recipe = {
-            "format": RECIPE_FORMAT,
-            "engine": self.name,
-            "block_size": self.block_size,
-            "topk": self.topk,
-            "sampling": {
-                "temperature": sampling.temperature,
-                "top_p": sampling.top_p,
-                "max_new_tokens": sampling.max_new_tokens,
-            },
-            "batch": members,
-        }
+        recipe = rollout_recipe(self.name, self.topk, sampling, members, block_size=self.block_size)
         generated = self._run_recipe(recipe, f"rollouts {[m['problem_id'] for m in members]}")
         return stored_rollouts(requests, generated, recipe, kv_dir, keep_len)
 
@@ -238,16 +226,8 @@ class VLLMEngine:
         decode-time one so far: a resume regenerates the rollout and checks it bitwise against the stored one (its
         cache hit is checked once the batch ran); a re-feed under the pass's salt reads no decode-time block."""
         if spec.kind.resumes:
-            if req.kv_file is None:
-                raise VerificationError(f"pivot {req.pivot_id}: no stored rollout recipe to regenerate from")
-            prompt, gen = self.regenerated_rollout(req.kv_file, req.kv_sha256)
-            same = matches_rollout(req, prompt, gen)
-            if not same:
-                log.warning(
-                    "pivot %s: regenerated rollout from %s differs from the stored one: unverified",
-                    req.pivot_id,
-                    req.kv_file,
-                )
+            same = resume_matches(req, self.regenerated_rollout)
+            assert req.kv_file is not None  # resume_matches refuses a pivot without a recipe
             return (list(req.prefix_ids) + [req.branch_token], self._salt_of(req.kv_file)), same
         ids = spec.kind.prompt_ids(req.prefix_ids, req.text_prefix_ids)
         return (ids + [req.branch_token], refeed_salt(spec.label)), True
