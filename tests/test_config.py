@@ -77,6 +77,7 @@ CAMPAIGNS = (
     + sorted((REPO / "config" / "campaigns" / "gpu").glob("*.yaml"))
     + sorted((REPO / "config" / "campaigns" / "gpu-vllm").glob("*.yaml"))
     + sorted((REPO / "config" / "campaigns" / "gpu-vllm" / "ladder").glob("*.yaml"))
+    + sorted((REPO / "config" / "campaigns" / "gpu-sglang").glob("*.yaml"))
 )
 
 
@@ -119,6 +120,20 @@ def test_committed_gpu_reference_was_made_by_its_campaign_file(ref):
     provenance = json.loads((REPO / "reference" / ref / "provenance.json").read_text())
     assert provenance["config"] == campaign
     assert provenance["analysis_hash"] == analysis_hash(campaign)
+
+
+#: partial reference folders (a run cut short, or stopped by its comparison), each with the campaign file that made it
+PARTIAL_REFERENCES = sorted(
+    p.parent.relative_to(REPO / "reference").as_posix() for p in (REPO / "reference").glob("gpu-*/**/partial.json")
+)
+
+
+@pytest.mark.parametrize("ref", PARTIAL_REFERENCES)
+def test_a_partial_reference_was_made_by_its_campaign_file(ref):
+    assert "gpu-sglang/qwen-0.5b" in PARTIAL_REFERENCES
+    record = json.loads((REPO / "reference" / ref / "partial.json").read_text())
+    assert record["campaign"] == f"config/campaigns/{ref}.yaml"
+    assert record["config"] == validate_config(load_campaign(REPO / record["campaign"]))
 
 
 #: campaign variants written as overlays of their base (overlay_of, rename_configs)

@@ -6,8 +6,13 @@ the exact pass reads the decode-time state, re-feeds miss it, and the determinis
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
 import random
+import runpy
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +24,15 @@ from helpers import configuration
 from replaynoise.config import analysis_hash, validate_config
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings, VerificationError
 from replaynoise.engines.recipes import chained_digests, read_recipe
-from replaynoise.engines.sglang.engine import EngineError, SGLangEngine, checked_server_args, engine_kwargs
+from replaynoise.engines.sglang import plugin
+from replaynoise.engines.sglang.engine import (
+    PROBE,
+    EngineError,
+    SGLangEngine,
+    check_seeded,
+    checked_server_args,
+    engine_kwargs,
+)
 from replaynoise.machine import platform_problems
 from replaynoise.settings import ConfigError
 
@@ -56,13 +69,110 @@ def test_the_engine_gets_the_keys_given_and_the_deterministic_mode():
     kwargs = engine_kwargs(settings["configs"]["s"])
     assert kwargs["attention_backend"] == "triton" and kwargs["max_running_requests"] == 64
     assert kwargs["enable_deterministic_inference"] is True and kwargs["page_size"] == 1
+    assert kwargs["sampling_backend"] == "pytorch"  # the sampler that takes per-request seeds with top-p
     assert "mem_fraction_static" not in kwargs  # null: SGLang's own default, not passed
+
+
+def test_stock_kernels_are_sglangs_own_with_seeded_sampling():
+    settings = validate_config(sglang_config(kernels="stock"))["configs"]["s"]
+    kwargs = engine_kwargs(settings)
+    assert kwargs["enable_deterministic_inference"] is False and kwargs["sampling_backend"] == "pytorch"
+    assert analysis_hash(validate_config(sglang_config(kernels="stock"))) != analysis_hash(
+        validate_config(sglang_config())
+    )
+
+
+def test_the_installed_package_declares_its_sglang_plugin():
+    """The entry point SGLang's plugin loader reads, as pyproject.toml declares it (an editable install makes it)."""
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    target = project["entry-points"]["sglang.srt.plugins"]["replaynoise_seeded_sampling"]
+    module, function = target.split(":")
+    assert getattr(importlib.import_module(module), function) is plugin.register
+
+
+SCRIPT = """
+import multiprocessing, sys
+sys.path.insert(0, {repo!r})
+from replaynoise.engines.sglang.engine import children_import_plugin
+print("script body", flush=True)
+probe = "import sys; m = sys.modules['__mp_main__']; print('child main', m.__file__.rsplit('/', 1)[-1], flush=True)"
+child = multiprocessing.get_context("spawn").Process(target=exec, args=(probe,))
+if {safe}:
+    with children_import_plugin():
+        child.start()
+else:
+    child.start()
+child.join()
+print("main spec", getattr(sys.modules["__main__"], "__spec__", "absent"), flush=True)
+"""
+
+
+@pytest.mark.parametrize("safe", [True, False])
+def test_sglangs_spawned_processes_import_the_plugin_not_the_script_that_started_them(tmp_path, safe):
+    """A Snakemake script is a file without a __main__ guard; SGLang spawns its scheduler. Unguarded, the spawned child
+    runs the script again (and would build a second engine); under children_import_plugin it imports the plugin
+    module instead (which hooks its sampling there), and the script's main module is left as it was."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT.format(repo=str(Path(__file__).resolve().parents[1]), safe=safe))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    if safe:
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.splitlines() == ["script body", "child main plugin.py", "main spec None"]
+    else:
+        assert run.stdout.count("script body") == 2  # the child ran the script's body again
+
+
+# runpy warns that the module is already imported (by this test file): a spawned process imports it fresh
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package:RuntimeWarning")
+def test_the_plugin_registers_its_hook_when_a_spawned_process_imports_it_first(monkeypatch):
+    registry = Registry()
+    hook_registry = SimpleNamespace(HookRegistry=registry, HookType=SimpleNamespace(AFTER="after"))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", hook_registry)
+    monkeypatch.setenv(plugin.SEEDED, "1")
+    runpy.run_module("replaynoise.engines.sglang.plugin", run_name="__mp_main__")
+    assert [(target, kind) for target, _, kind in registry.hooks] == [(plugin.TARGET, "after")]
+    monkeypatch.setenv(plugin.SEEDED, "0")  # the deterministic mode: nothing to hook
+    runpy.run_module("replaynoise.engines.sglang.plugin", run_name="__mp_main__")
+    assert len(registry.hooks) == 1
+
+
+# ------------------------------------------------------------------------------------------- the plugin
+class Registry:
+    def __init__(self) -> None:
+        self.hooks = []
+
+    def register(self, target, hook, hook_type):
+        self.hooks.append((target, hook, hook_type))
+
+
+def test_the_plugin_hooks_only_where_the_engine_asks(monkeypatch):
+    registry = Registry()
+    monkeypatch.delenv(plugin.SEEDED, raising=False)
+    assert plugin.register(registry, "after") is False and registry.hooks == []
+    monkeypatch.setenv(plugin.SEEDED, "0")  # the deterministic mode seeds by itself
+    assert plugin.register(registry, "after") is False
+    monkeypatch.setenv(plugin.SEEDED, "1")
+    assert plugin.register(registry, "after") is True
+    ((target, hook, hook_type),) = registry.hooks
+    assert target.endswith("SamplingBatchInfo.from_schedule_batch") and hook_type == "after"
+
+
+def test_the_hook_gives_each_request_its_seed_as_the_deterministic_mode_does(monkeypatch):
+    monkeypatch.setenv(plugin.SEEDED, "1")
+    registry = Registry()
+    plugin.register(registry, "after")
+    hook = registry.hooks[0][1]
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(sampling_seed=s)) for s in (7, None, 2**40)]
+    batch = SimpleNamespace(reqs=reqs, device="cpu")
+    info = hook(SimpleNamespace(sampling_seed=None), "SamplingBatchInfo", batch, 151_936)  # (result, cls, *args)
+    assert info.sampling_seed.dtype == torch.int64 and info.sampling_seed.tolist() == [7, 42, 2**40]
+    given = torch.tensor([5, 6, 8])
+    assert hook(SimpleNamespace(sampling_seed=given), "SamplingBatchInfo", batch, 151_936).sampling_seed is given
 
 
 @pytest.mark.parametrize(
     ("given", "message"),
     [
-        ({"kernels": "stock"}, r"configs\.s\.kernels: 'stock' with engine sglang\. .* its own seed"),
         ({"device": "cpu"}, r"configs\.s\.device: 'cpu' with engine sglang"),
         ({"sglang": {"disable_radix_cache": True}}, r"configs\.s\.sglang\.disable_radix_cache: true"),
         ({"sglang": {"attention_backend": "flashinfer"}}, r"configs\.s\.sglang\.attention_backend: 'flashinfer'"),
@@ -99,36 +209,44 @@ def test_a_missing_sglang_is_refused_before_any_job(monkeypatch):
 
 # ------------------------------------------------------------------------------------------- the engine's logic
 class RadixStandIn:
-    """What the engine asks of ``sglang.Engine.generate``, on CPU: a request's tokens follow from its sampling seed
-    alone (the deterministic mode's promise), and a prompt reads from the cache the longest prefix that an earlier
-    request's prompt and output cover, less its last token, in whole pages (SGLang's radix-tree match)."""
+    """What the engine asks of SGLang's generate (``SaltedEngine``), on CPU: a request's tokens follow from its sampling
+    seed alone (or, with ``seeded=False``, from one generator, as SGLang's stock sampler without the plugin), and a
+    prompt reads from the cache the longest prefix that an earlier request under the same salt (``extra_key``) covers
+    with its prompt and output, less its last token, in whole pages (SGLang's radix-tree match)."""
 
-    def __init__(self, page_size: int = 1, forget: bool = False) -> None:
-        self.page_size, self.forget, self.tree, self.calls = page_size, forget, [], []
+    def __init__(self, page_size: int = 1, forget: bool = False, seeded: bool = True) -> None:
+        self.page_size, self.forget, self.seeded, self.tree, self.calls = page_size, forget, seeded, [], []
+        self.shared = random.Random(0)
 
-    def generate(self, input_ids, sampling_params, return_logprob=True, top_logprobs_num=0, logprob_start_len=None):
+    def generate(
+        self, input_ids, extra_key, sampling_params, return_logprob=True, top_logprobs_num=0, logprob_start_len=None
+    ):
         self.calls.append(len(input_ids))
         starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * len(input_ids)
-        outputs = []
-        for ids, params, start in zip(input_ids, sampling_params, starts):
-            common = [
-                next((i for i, (a, b) in enumerate(zip(ids, seq)) if a != b), min(len(ids), len(seq)))
-                for seq in self.tree
-            ]
-            hit = min(max(common, default=0), len(ids) - 1) // self.page_size * self.page_size
-            rng = random.Random(params.get("sampling_seed", 0) * 7919 + len(ids))
-            tokens = [rng.randrange(10, 90) for _ in range(params["max_new_tokens"])]
-            meta = {
-                "finish_reason": {"type": "length"},
-                "cached_tokens": 0 if self.forget else hit,
-                "output_token_logprobs": [(-0.25 - 0.01 * j, t, None) for j, t in enumerate(tokens)],
-                "output_top_logprobs": [[(-0.25, t, None), (-1.5, t + 1, None)][:top_logprobs_num] for t in tokens],
-            }
-            if start is not None:  # tokens start, start + 1, ...: the first has no value (SGLang's shape)
-                meta["input_token_logprobs"] = [(None if j == 0 else -0.5, t, None) for j, t in enumerate(ids[start:])]
-            outputs.append({"output_ids": tokens, "meta_info": meta})
-            self.tree.append(list(ids) + tokens)
-        return outputs
+        return [
+            self.one(ids, salt, params, start, top_logprobs_num)
+            for ids, salt, params, start in zip(input_ids, extra_key, sampling_params, starts)
+        ]
+
+    def one(self, ids, salt, params, start, top_logprobs_num):
+        common = [
+            next((i for i, (a, b) in enumerate(zip(ids, seq)) if a != b), min(len(ids), len(seq)))
+            for key, seq in self.tree
+            if key == salt
+        ]
+        hit = min(max(common, default=0), len(ids) - 1) // self.page_size * self.page_size
+        rng = random.Random(params.get("sampling_seed", 0) * 7919 + len(ids)) if self.seeded else self.shared
+        tokens = [rng.randrange(10, 90) for _ in range(params["max_new_tokens"])]
+        meta = {
+            "finish_reason": {"type": "length"},
+            "cached_tokens": 0 if self.forget else hit,
+            "output_token_logprobs": [(-0.25 - 0.01 * j, t, None) for j, t in enumerate(tokens)],
+            "output_top_logprobs": [[(-0.25, t, None), (-1.5, t + 1, None)][:top_logprobs_num] for t in tokens],
+        }
+        if start is not None:  # tokens start, start + 1, ...: the first has no value (SGLang's shape)
+            meta["input_token_logprobs"] = [(None if j == 0 else -0.5, t, None) for j, t in enumerate(ids[start:])]
+        self.tree.append((salt, list(ids) + tokens))
+        return {"output_ids": tokens, "meta_info": meta}
 
 
 SAMPLING = SamplingSettings(temperature=0.7, top_p=0.95, max_new_tokens=6)
@@ -204,6 +322,25 @@ def test_a_refeed_in_its_own_process_reads_no_decode_time_state(stored):
     assert results[1].cached_tokens <= 3  # at most the shared prompt of the first request, never a response
 
 
+def test_a_refeed_beside_resumed_rollouts_reads_none_of_their_state(stored):
+    """Salts keep a pass's re-feeds off the decode-time entries even in one process (a replica and a re-feed, or a
+    test's two passes, in one engine), and each rollout off another's prompt entries."""
+    stand_in = RadixStandIn()
+    shared = engine(stand_in)
+    shared.run_batch([continuation(r, 3) for r in stored], "decode_kv", SAMPLING)
+    refeeds = shared.run_batch([continuation(r, 3) for r in stored], "refeed_ids", SAMPLING)
+    assert [r.cached_tokens for r in refeeds] == [0, 3]  # the first computed it all; the second shares its prompt
+    salts = [salt for salt, _ in stand_in.tree]
+    assert salts[:2] == ["rollout:p0:11", "rollout:p1:12"] and salts[-2:] == ["pass:refeed_ids"] * 2
+
+
+def test_stock_sampling_that_ignores_the_seeds_is_caught_before_any_request():
+    check_seeded(RadixStandIn(), [1, 2, 3])  # the same tokens from the same seed: passes
+    with pytest.raises(EngineError, match=r"ignores the request seeds.*replaynoise\.engines\.sglang\.plugin"):
+        check_seeded(RadixStandIn(seeded=False), [1, 2, 3])
+    assert PROBE["ignore_eos"] and PROBE["temperature"] > 1  # free-running: unseeded draws differ
+
+
 def test_a_prefix_is_scored_from_its_response_start(stored):
     request = ContinuationRequest(**{**continuation(stored[0], 3).__dict__, "restep": True, "response_start": 4})
     (result,) = engine(RadixStandIn()).run_batch([request], "refeed_ids", SAMPLING)
@@ -228,35 +365,59 @@ def test_transplants_are_refused_by_the_engine_too(stored):
 
 
 # ------------------------------------------------------------------------------------------- on a GPU
-def gpu_engine(model_dir: Path):
-    from replaynoise.engines import make_engine
-
-    settings = configuration(engine="sglang", kernels="invariant", device="cuda", max_new_tokens=24)
-    return make_engine(settings, model_dir, topk=5, threads=1)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
+ON_GPU = pytest.mark.skipif(
     importlib.util.find_spec("sglang") is None or not torch.cuda.is_available(),
     reason="the SGLang engine runs on an NVIDIA GPU with SGLang installed (bash install.sh --sglang-cuda)",
 )
-def test_on_a_gpu_exact_reads_the_decode_time_state_in_any_batch_and_a_refeed_misses_it(smollm2_dir, tmp_path):
-    """The deterministic mode's promise, checked: a resumed continuation is the same alone and in another batch, and
-    reads the decode-time state. Whether a re-feed then equals it is the finding a campaign reports (SGLang's own
-    test expects decode and prefill log-probs to differ), so it is printed, not asserted."""
-    built = gpu_engine(smollm2_dir)
+
+
+@pytest.fixture(scope="module", params=["invariant", "stock"])
+def gpu_engine(request, smollm2_dir):
+    """One SGLang engine per kernel mode, shut down before the next starts (each takes a share of the GPU)."""
+    from replaynoise.engines import make_engine
+
+    settings = configuration(
+        engine="sglang", kernels=request.param, device="cuda", max_new_tokens=24, sglang={"mem_fraction_static": 0.15}
+    )
+    built = make_engine(settings, smollm2_dir, topk=5, threads=1)
+    yield request.param, built
+    built.engine.shutdown()
+
+
+@pytest.mark.slow
+@ON_GPU
+def test_on_a_gpu_exact_reads_the_decode_time_state_in_any_batch_and_a_refeed_misses_it(gpu_engine, tmp_path):
+    """A rollout regenerated after its cache is gone (as in an exact pass's own process) is the stored one bitwise,
+    its resumed continuation reads the decode-time state (the hit SGLang reports is the one expected), a re-feed under
+    its pass's salt reads none of it, and a continuation's draws follow its seed. Under the deterministic mode a
+    resumed continuation is also the same alone and in another batch. Whether a re-feed's first step equals the
+    resumed one is the finding a campaign reports (SGLang's own test expects decode and prefill to differ there), so
+    it is printed, not asserted."""
+    kernels, built = gpu_engine
     sampling = SamplingSettings(temperature=0.7, top_p=0.95, max_new_tokens=24)
-    prompt = tuple(built.tokenizer("What is 17 + 25?")["input_ids"])
-    (rollout,) = built.generate_rollouts([RolloutRequest("q", prompt, seed=3)], sampling, tmp_path, lambda r: 24)
-    request = continuation(rollout, 8, branch=rollout.response_ids[8])
-    (alone,) = built.run_batch([request], "decode_kv", sampling)
-    other = ContinuationRequest(**{**continuation(rollout, 12).__dict__, "pivot_id": "q/r0@12", "seed": 9})
-    batched, _ = built.run_batch([request, other], "decode_kv", sampling)
-    for result in (alone, batched):
-        assert result.verified and result.cached_tokens == result.expected_cached_tokens
-    assert (batched.token_ids, batched.next_topk_logprobs) == (alone.token_ids, alone.next_topk_logprobs)
-    assert built.engine.flush_cache().success  # a re-feed pass runs in a process of its own: an empty tree
-    (refeed,) = built.run_batch([request], "refeed_ids", sampling)
-    assert refeed.cached_tokens == 0  # the re-feed missed the decode-time state and computed its prefix
+    prompt = tuple(built.tokenizer("Write a long story about a cat and a dog.")["input_ids"])
+    requests = [RolloutRequest("q", prompt, seed=3 + i, rollout=i) for i in range(8)]
+    drawn = built.generate_rollouts(requests, sampling, tmp_path, lambda r: 24)
+    rollouts = sorted(drawn, key=lambda r: -len(r.response_ids))[:2]  # some end at once; two that do not
+    assert all(len(r.response_ids) >= 4 for r in rollouts), [r.response_ids for r in drawn]
+    assert built.engine.flush_cache().success
+    fresh = SGLangEngine(built.engine, built.tokenizer, built.eos_ids, topk=5, page_size=built.page_size)
+    t = len(rollouts[0].response_ids) // 2
+    request = continuation(rollouts[0], t, branch=rollouts[0].response_ids[t])
+    (alone,) = fresh.run_batch([request], "decode_kv", sampling)
+    assert alone.verified and alone.cached_tokens == alone.expected_cached_tokens == len(prompt) + t
+    (again,) = fresh.run_batch([request], "decode_kv", sampling)
+    assert again.token_ids == alone.token_ids  # same seed, same state, alone: the same draws
+    u = len(rollouts[1].response_ids) // 2
+    other = ContinuationRequest(**{**continuation(rollouts[1], u).__dict__, "pivot_id": f"q/other@{u}", "seed": 9})
+    batched, other_result = fresh.run_batch([request, other], "decode_kv", sampling)
+    assert batched.verified and other_result.verified
+    if kernels == "invariant":
+        assert (batched.token_ids, batched.next_topk_logprobs) == (alone.token_ids, alone.next_topk_logprobs)
+    (refeed,) = fresh.run_batch([request], "refeed_ids", sampling)
+    assert refeed.cached_tokens == 0  # the pass's salt: none of the decode-time state, its prefix computed
     same = refeed.next_topk_logprobs == alone.next_topk_logprobs
-    print(f"deterministic mode, exact vs re-feed first step bitwise equal: {same}")
+    print(
+        f"{kernels}: exact vs re-feed first step bitwise equal: {same}; in a batch of two equal to alone: "
+        f"{(batched.token_ids, batched.next_topk_logprobs) == (alone.token_ids, alone.next_topk_logprobs)}"
+    )

@@ -60,6 +60,7 @@ LAYERS = [
         "engines.hf.settings",
         "engines.vllm.settings",
         "engines.sglang.settings",
+        "engines.sglang.plugin",
     ],
     ["engines.hf.kvfiles", "engines.hf.kernels", "engines.hf.records", "engines.recipes", "engines.registry"],
     ["engines.hf.static", "engines.vllm.engine", "engines.sglang.engine"],

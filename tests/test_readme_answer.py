@@ -1,5 +1,6 @@
-"""The README's first screen says what the committed ladder says: every cell of its table is read back from the
-headline table of the reference folder the row names (issue 51: no claim the committed files do not support)."""
+"""The README's first screen says what the committed ladder and SGLang folders say: every cell of its tables is read
+back from the headline table of the reference folder the row names (issues 51 and 55: no claim the committed files do
+not support)."""
 
 from __future__ import annotations
 
@@ -9,34 +10,49 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LADDER = ROOT / "reference" / "gpu-vllm" / "ladder"
-#: the README row's first cell -> the ladder folder it is read from
+REFERENCE = ROOT / "reference"
+LADDER = REFERENCE / "gpu-vllm" / "ladder"
+SGLANG = REFERENCE / "gpu-sglang"
+#: (the README table's engine, the row's first cell) -> the reference folder it is read from
 ROWS = {
-    "Qwen2.5-Coder-0.5B, stock": "qwen-0.5b",
-    "SmolLM2-135M, stock": "smollm2",
-    "Qwen2.5-Coder-1.5B, stock": "qwen-1.5b",
-    "Qwen2.5-Coder-1.5B, batch-invariant": "qwen-invariant",
+    ("vLLM", "Qwen2.5-Coder-0.5B, stock"): "gpu-vllm/ladder/qwen-0.5b",
+    ("vLLM", "SmolLM2-135M, stock"): "gpu-vllm/ladder/smollm2",
+    ("vLLM", "Qwen2.5-Coder-1.5B, stock"): "gpu-vllm/ladder/qwen-1.5b",
+    ("vLLM", "Qwen2.5-Coder-1.5B, batch-invariant"): "gpu-vllm/ladder/qwen-invariant",
+    ("SGLang", "Qwen2.5-Coder-0.5B, stock"): "gpu-sglang/qwen-0.5b",
+    ("SGLang", "Qwen2.5-Coder-0.5B, deterministic"): "gpu-sglang/qwen-0.5b-deterministic",
 }
 
 
-def readme_rows() -> dict[str, list[str]]:
+def readme_rows() -> dict[tuple[str, str], list[str]]:
+    """Each table row of the first screen, keyed by its table's engine (the header's "model (ENGINE)") and label."""
     text = (ROOT / "README.md").read_text()
-    block = text[text.index("**The answer so far**") : text.index("## Set-up")]
-    rows = [line.strip("|").split("|") for line in block.splitlines() if line.startswith("| ") and "---" not in line]
-    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
+    lines = text[text.index("**The answer so far**") : text.index("## Set-up")].splitlines()
+    rows, engine = {}, None
+    for line, following in zip(lines, [*lines[1:], ""]):
+        if not line.startswith("| ") or "---" in line:
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if following.startswith("|---"):  # a header: its first cell names the engine
+            engine = cells[0].removeprefix("model (").removesuffix(")")
+            continue
+        rows[(engine, cells[0])] = cells[1:]
+    return rows
 
 
 def main_row(folder: str) -> dict[str, str]:
-    lines = [line for line in (LADDER / folder / "tables" / "headline.csv").read_text().splitlines() if line[:1] != "#"]
+    text = (REFERENCE / folder / "tables" / "headline.csv").read_text()
+    lines = [line for line in text.splitlines() if line[:1] != "#"]
     return next(r for r in csv.DictReader(lines) if r["conditioning"] == "main" and r["config"] != "pooled")
 
 
-def test_the_first_screen_names_every_rung_of_the_ladder():
+def test_the_first_screen_names_every_rung_of_the_ladder_and_every_sglang_folder():
     assert set(readme_rows()) == set(ROWS)
-    assert {p.name for p in LADDER.iterdir() if p.is_dir()} == set(ROWS.values())
+    folders = [p for parent in (LADDER, SGLANG) for p in parent.iterdir() if p.is_dir()]
+    assert {p.relative_to(REFERENCE).as_posix() for p in folders} == set(ROWS.values())
 
 
-@pytest.mark.parametrize("label", sorted(ROWS))
+@pytest.mark.parametrize("label", sorted(ROWS), ids=" / ".join)
 def test_each_cell_of_the_first_screen_is_its_reference_folders(label):
     pairs, n, refeed, floor, excess, pass_sd, resolved = readme_rows()[label]
     row = main_row(ROWS[label])

@@ -213,17 +213,16 @@ def test_float_drift_counts_a_zero_computed_as_1e_17_as_drift_but_not_a_changed_
 @pytest.mark.parametrize(
     "folder",
     sorted(
-        p.parent.relative_to(GPU.parent / "gpu-vllm").as_posix()
+        p.parent.relative_to(GPU.parent).as_posix()
+        for engine in ("gpu-vllm", "gpu-sglang")
         for record in ("provenance.json", "partial.json")
-        for p in (GPU.parent / "gpu-vllm").glob(f"**/{record}")
+        for p in (GPU.parent / engine).glob(f"**/{record}")
     ),
 )
-def test_every_vllm_reference_rebuilds_from_its_credit_tables(folder, tmp_path, capsys):
-    """The paper-regime vLLM references: statistics, pooling, tables and figures recomputed on this CPU from the
-    committed credit tables agree with the committed files (bitwise, or within last-bit float drift)."""
-    assert main(["rebuild", str(GPU.parent / "gpu-vllm" / folder), str(tmp_path / "rebuilt")]) == 0, (
-        capsys.readouterr().out
-    )
+def test_every_serving_engine_reference_rebuilds_from_its_credit_tables(folder, tmp_path, capsys):
+    """The paper-regime vLLM and SGLang references: statistics, pooling, tables and figures recomputed on this CPU
+    from the committed credit tables agree with the committed files (bitwise, or within last-bit float drift)."""
+    assert main(["rebuild", str(GPU.parent / folder), str(tmp_path / "rebuilt")]) == 0, capsys.readouterr().out
 
 
 POOLED = sorted((GPU.parent).glob("**/analysis/pooled/comparison.json"))

@@ -16,6 +16,7 @@ from replaynoise.engines.base import (
     ContinuationRequest,
     ContinuationResult,
     KeepLen,
+    PrefixSource,
     Rollout,
     RolloutRequest,
     SamplingSettings,
@@ -73,6 +74,19 @@ def score_salt(label: str) -> str:
     """The salt of a pass's prefix-scoring requests (``VLLMEngine.score_prefixes``): never a pass's or a
     rollout's, so scoring reads and leaves no block that the pass's own requests use."""
     return f"score:{label}"
+
+
+def recipe_members(requests: list[RolloutRequest]) -> list[dict]:
+    """A batch of rollout requests as a recipe records it, in order: each member's prompt, seed and cache salt."""
+    return [
+        {
+            "problem_id": r.problem_id,
+            "prompt_ids": list(r.prompt_ids),
+            "seed": r.seed,
+            "cache_salt": rollout_salt(r.problem_id, r.seed),
+        }
+        for r in requests
+    ]
 
 
 def rollout_recipe(engine: str, topk: int, sampling: SamplingSettings, batch: list[dict], **cache: int) -> dict:
@@ -207,3 +221,21 @@ def matches_rollout(req: ContinuationRequest, prompt: list[int], gen: Generated)
         and list(req.prefix_ids) == prompt + gen.token_ids[:t]
         and chained_digests(gen.raw[: t + 1])[t] == req.expected_digest
     )
+
+
+def salted_prompt(
+    req: ContinuationRequest,
+    spec: PrefixSource,
+    regenerate: Callable[[str, str | None], tuple[list[int], Generated]],
+    salt_of: Callable[[str], str],
+) -> tuple[tuple[list[int], str], bool]:
+    """A serving engine's continuation prompt (prefix and branch token, with its cache salt) and whether its state is
+    the decode-time one so far: a resume carries its rollout's salt (``salt_of`` its recipe) and regenerates the
+    rollout, checked bitwise against the stored one (its cache hit is checked once the batch ran); a re-feed carries
+    its pass's salt, under which no decode-time entry exists."""
+    if spec.kind.resumes:
+        same = resume_matches(req, regenerate)
+        assert req.kv_file is not None  # resume_matches refuses a pivot without a recipe
+        return (list(req.prefix_ids) + [req.branch_token], salt_of(req.kv_file)), same
+    ids = spec.kind.prompt_ids(req.prefix_ids, req.text_prefix_ids)
+    return (ids + [req.branch_token], refeed_salt(spec.label)), True

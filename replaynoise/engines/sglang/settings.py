@@ -44,14 +44,6 @@ def check(
             f"config key configs.{name}.device: {settings['device']!r} with engine sglang, whose wheels run on "
             "NVIDIA GPUs only (no CPU backend); use device: cuda, or engine: vllm or hf on a CPU"
         )
-    if settings["kernels"] == "stock":
-        raise ConfigError(
-            f"config key configs.{name}.kernels: 'stock' with engine sglang. SGLang 0.5.16 draws a request's "
-            "sample from its own seed only under enable_deterministic_inference; in stock mode every draw comes "
-            "from the scheduler's one generator, so a rollout cannot be regenerated for the exact pass and the "
-            "passes share no random numbers (docs/sglang.md, 'The obstacle'). Use kernels: invariant (its "
-            "deterministic mode), or engine: vllm for stock kernels"
-        )
     if s["disable_radix_cache"]:
         raise ConfigError(
             f"config key configs.{name}.sglang.disable_radix_cache: true, but the exact pass resumes from the "

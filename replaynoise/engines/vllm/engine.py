@@ -45,10 +45,9 @@ from replaynoise.engines.recipes import (
     Generated,
     checked_result,
     read_recipe,
-    refeed_salt,
-    resume_matches,
+    recipe_members,
     rollout_recipe,
-    rollout_salt,
+    salted_prompt,
     score_salt,
     stored_rollouts,
 )
@@ -169,15 +168,7 @@ class VLLMEngine:
         self, requests: list[RolloutRequest], sampling: SamplingSettings, kv_dir: Path, keep_len: KeepLen
     ) -> list[Rollout]:
         """All requests go in as one batch; the recipe of each records that batch, so it can be regenerated."""
-        members = [
-            {
-                "problem_id": r.problem_id,
-                "prompt_ids": list(r.prompt_ids),
-                "seed": r.seed,
-                "cache_salt": rollout_salt(r.problem_id, r.seed),
-            }
-            for r in requests
-        ]
+        members = recipe_members(requests)
         recipe = rollout_recipe(self.name, self.topk, sampling, members, block_size=self.block_size)
         generated = self._run_recipe(recipe, f"rollouts {[m['problem_id'] for m in members]}")
         return stored_rollouts(requests, generated, recipe, kv_dir, keep_len)
@@ -221,17 +212,6 @@ class VLLMEngine:
         """Tokens vLLM serves from cache for a prompt of ``prompt_len`` tokens whose prefix is all cached."""
         return ((prompt_len - 1) // self.block_size) * self.block_size
 
-    def _prompt(self, req: ContinuationRequest, spec: PrefixSource) -> tuple[tuple[list[int], str], bool]:
-        """A continuation's prompt (prefix and branch token, with its cache salt) and whether its state is the
-        decode-time one so far: a resume regenerates the rollout and checks it bitwise against the stored one (its
-        cache hit is checked once the batch ran); a re-feed under the pass's salt reads no decode-time block."""
-        if spec.kind.resumes:
-            same = resume_matches(req, self.regenerated_rollout)
-            assert req.kv_file is not None  # resume_matches refuses a pivot without a recipe
-            return (list(req.prefix_ids) + [req.branch_token], self._salt_of(req.kv_file)), same
-        ids = spec.kind.prompt_ids(req.prefix_ids, req.text_prefix_ids)
-        return (ids + [req.branch_token], refeed_salt(spec.label)), True
-
     def run_batch(
         self, requests: list[ContinuationRequest], source: str | PrefixSource, sampling: SamplingSettings
     ) -> list[ContinuationResult]:
@@ -242,7 +222,11 @@ class VLLMEngine:
                 "neither transplant a cache nor change the precision of a prefix or continuation; "
                 "run transplant and precision passes with engine: hf"
             )
-        prompts, checks = zip(*(self._prompt(req, spec) for req in requests)) if requests else ((), ())
+        prompts, checks = (
+            zip(*(salted_prompt(req, spec, self.regenerated_rollout, self._salt_of) for req in requests))
+            if requests
+            else ((), ())
+        )
         params = [
             self.sampling_params(r.seed, sampling.temperature, sampling.top_p, sampling.max_new_tokens)
             for r in requests
