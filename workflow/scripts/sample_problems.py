@@ -10,6 +10,6 @@ from replaynoise.io import write_json  # noqa: E402
 
 p = snakemake.params
 loaded = read_problems(p.source, p.path, Path(p.cache))
-write_problems(sample_problems(loaded.frame, p.n, p.seed, p.sample), snakemake.output.problems)
+write_problems(sample_problems(loaded.frame, p.n, p.seed, p.sample, p.get("ids")), snakemake.output.problems)
 if "read" in snakemake.output.keys():
     write_json({"path": p.path, "sha256": loaded.sha256}, snakemake.output.read)
