@@ -108,10 +108,12 @@ def _drop_absent_values(schema: dict, value: Any) -> None:
 
 def _normalize_sets(config: dict) -> None:
     """Lists that are sets in one order (their written order changes no result) and keys no step reads, removed,
-    so that neither changes a fingerprint: block offsets, stop texts, cross-scoring pairs (a pair given twice is
-    refused by ``_check_cross_scoring``), a serial sample size without the serial pass. (Block offsets without block
-    alignment are read by no step but kept: reference/gpu/gemma's fingerprint was made with them.)"""
+    so that neither changes a fingerprint: block offsets, listed problem ids, stop texts, cross-scoring pairs (a pair
+    given twice is refused by ``_check_cross_scoring``), a serial sample size without the serial pass. (Block offsets
+    without block alignment are read by no step but kept: reference/gpu/gemma's fingerprint was made with them.)"""
     config["pivots"]["block_offsets"] = sorted(config["pivots"]["block_offsets"])
+    if "ids" in config["dataset"]:  # a listed sample is taken in dataset order, whatever order lists it
+        config["dataset"]["ids"] = sorted(config["dataset"]["ids"])
     for settings in config["configs"].values():
         if "stop" in settings:
             settings["stop"] = sorted(set(settings["stop"]))

@@ -10,9 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import polars as pl
 import pytest
 import yaml
-from helpers import SNAKEMAKE, TINY
+from helpers import SNAKEMAKE, TINY, rerun_readers, snakemake
 from snakemake.utils import update_config
 
 from replaynoise.config import (
@@ -128,9 +129,12 @@ PARTIAL_REFERENCES = sorted(
 )
 
 
+def test_the_partial_references_are_found():
+    assert {"gpu-sglang/qwen-0.5b", "gpu-sglang/qwen-0.5b-deterministic"} <= set(PARTIAL_REFERENCES)
+
+
 @pytest.mark.parametrize("ref", PARTIAL_REFERENCES)
 def test_a_partial_reference_was_made_by_its_campaign_file(ref):
-    assert "gpu-sglang/qwen-0.5b" in PARTIAL_REFERENCES
     record = json.loads((REPO / "reference" / ref / "partial.json").read_text())
     assert record["campaign"] == f"config/campaigns/{ref}.yaml"
     assert record["config"] == validate_config(load_campaign(REPO / record["campaign"]))
@@ -308,14 +312,32 @@ def test_a_listed_sample_needs_its_ids_and_nothing_else_takes_them(committed, gi
         validate_config(config)
 
 
-def test_a_listed_sample_reaches_the_sampling_step_and_its_hash():
-    """The ids are a param of sample_problems (Snakemake reruns it when they change) and of the analysis hash."""
-    rule = (REPO / "workflow" / "rules" / "data.smk").read_text()
-    assert "**listed_ids()" in rule
-    base = {"configs": {"c": {"model": "smollm2-135m"}}, "dataset": {"source": "svamp", "sample": "listed"}}
-    one = validate_config({**base, "dataset": {**base["dataset"], "ids": ["svamp-0001"], "n_problems": 1}})
-    other = validate_config({**base, "dataset": {**base["dataset"], "ids": ["svamp-0002"], "n_problems": 1}})
-    assert analysis_hash(one) != analysis_hash(other)
+def listed(*ids: str) -> dict:
+    return {
+        "configs": {"c": {"model": "smollm2-135m"}},
+        "dataset": {"source": "simple_addsub", "sample": "listed", "n_problems": len(ids), "ids": list(ids)},
+    }
+
+
+def test_a_listed_sample_is_hashed_by_its_ids_in_any_order_and_absent_elsewhere():
+    one = validate_config(listed("simple_addsub-1", "simple_addsub-7"))
+    assert one["dataset"]["ids"] == ["simple_addsub-1", "simple_addsub-7"]
+    assert analysis_hash(validate_config(listed("simple_addsub-7", "simple_addsub-1"))) == analysis_hash(one)
+    assert analysis_hash(validate_config(listed("simple_addsub-1", "simple_addsub-8"))) != analysis_hash(one)
+    assert "ids" not in validate_config({"configs": {"c": {"model": "smollm2-135m"}}})["dataset"]
+
+
+def test_a_listed_sample_runs_its_problems_and_only_other_ids_rerun_it(tmp_path):
+    """The ids reach sample_problems as a param: the step takes exactly those problems, other ids rerun it (for
+    that reason), the same ids in another order do not."""
+    target = "results/problems/simple_addsub.parquet"
+    snakemake(tmp_path, listed("simple_addsub-9", "simple_addsub-2", "simple_addsub-4"), target)
+    taken = pl.read_parquet(tmp_path / target)["problem_id"].to_list()
+    assert taken == ["simple_addsub-2", "simple_addsub-4", "simple_addsub-9"]
+    assert rerun_readers(tmp_path, listed("simple_addsub-4", "simple_addsub-9", "simple_addsub-2")) == set()
+    assert rerun_readers(tmp_path, listed("simple_addsub-9", "simple_addsub-2", "simple_addsub-5")) >= {
+        "sample_problems"
+    }
 
 
 def test_file_source_with_missing_file_fails(committed, tmp_path):

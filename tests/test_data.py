@@ -429,9 +429,11 @@ def test_a_listed_sample_is_exactly_the_named_problems_in_dataset_order(gsm8k):
     assert sample_problems(gsm8k.reverse(), 3, seed=9, how="listed", ids=ids[::-1]).equals(listed)
 
 
-def test_a_listed_id_the_dataset_lacks_is_named(gsm8k):
+def test_a_listed_id_the_dataset_lacks_is_named_and_the_list_must_hold_n(gsm8k):
     with pytest.raises(ValueError, match=r"dataset\.ids: gsm8k-9999, svamp-0001 not in the dataset .*'gsm8k-0'"):
         sample_problems(gsm8k, 3, seed=0, how="listed", ids=["gsm8k-5", "gsm8k-9999", "svamp-0001"])
+    with pytest.raises(ValueError, match=r"dataset\.ids: 2 distinct ids, but n_problems is 3"):
+        sample_problems(gsm8k, 3, seed=0, how="listed", ids=["gsm8k-5", "gsm8k-6", "gsm8k-5"])
 
 
 def test_two_jobs_extracting_one_member_at_once_both_get_it(tmp_path):

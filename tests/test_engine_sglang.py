@@ -103,21 +103,23 @@ if {safe}:
 else:
     child.start()
 child.join()
-print("main spec", getattr(sys.modules["__main__"], "__spec__", "absent"), flush=True)
+print("main spec", getattr(sys.modules["__main__"].__spec__, "name", None), flush=True)
 """
 
 
-@pytest.mark.parametrize("safe", [True, False])
-def test_sglangs_spawned_processes_import_the_plugin_not_the_script_that_started_them(tmp_path, safe):
+@pytest.mark.parametrize(("safe", "as_module"), [(True, False), (True, True), (False, False)])
+def test_sglangs_spawned_processes_import_the_plugin_not_the_script_that_started_them(tmp_path, safe, as_module):
     """A Snakemake script is a file without a __main__ guard; SGLang spawns its scheduler. Unguarded, the spawned child
     runs the script again (and would build a second engine); under children_import_plugin it imports the plugin
-    module instead (which hooks its sampling there), and the script's main module is left as it was."""
-    script = tmp_path / "script.py"
-    script.write_text(SCRIPT.format(repo=str(Path(__file__).resolve().parents[1]), safe=safe))
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    module instead (which hooks its sampling there), and the main module's spec is restored: none for a file, its own
+    for a module run with -m (pytest's, say)."""
+    (tmp_path / "script.py").write_text(SCRIPT.format(repo=str(Path(__file__).resolve().parents[1]), safe=safe))
+    command = [sys.executable, "-m", "script"] if as_module else [sys.executable, str(tmp_path / "script.py")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     if safe:
         assert run.returncode == 0, run.stderr
-        assert run.stdout.splitlines() == ["script body", "child main plugin.py", "main spec None"]
+        spec = "script" if as_module else "None"
+        assert run.stdout.splitlines() == ["script body", "child main plugin.py", f"main spec {spec}"]
     else:
         assert run.stdout.count("script body") == 2  # the child ran the script's body again
 
@@ -157,17 +159,41 @@ def test_the_plugin_hooks_only_where_the_engine_asks(monkeypatch):
     assert target.endswith("SamplingBatchInfo.from_schedule_batch") and hook_type == "after"
 
 
+class BatchInfo:
+    """SGLang's ``SamplingBatchInfo``, as far as the hook sees it: a classmethod that builds a batch's info."""
+
+    seeds = None
+
+    @classmethod
+    def from_schedule_batch(cls, batch, vocab_size):
+        return SimpleNamespace(sampling_seed=cls.seeds, vocab_size=vocab_size)
+
+
+def hooked_as_sglang_does(hook):
+    """``BatchInfo.from_schedule_batch`` wrapped as SGLang 0.5.16's ``HookRegistry`` wraps a classmethod with an AFTER
+    hook (``_apply_target`` unwraps it, ``_wrap_fn`` calls ``hook(result, *args)``, the classmethod is restored)."""
+    original = BatchInfo.__dict__["from_schedule_batch"].__func__
+
+    def wrapper(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modified = hook(result, *args, **kwargs)
+        return modified if modified is not None else result
+
+    return type("Hooked", (BatchInfo,), {"from_schedule_batch": classmethod(wrapper)})
+
+
 def test_the_hook_gives_each_request_its_seed_as_the_deterministic_mode_does(monkeypatch):
     monkeypatch.setenv(plugin.SEEDED, "1")
     registry = Registry()
     plugin.register(registry, "after")
-    hook = registry.hooks[0][1]
+    hooked = hooked_as_sglang_does(registry.hooks[0][1])
     reqs = [SimpleNamespace(sampling_params=SimpleNamespace(sampling_seed=s)) for s in (7, None, 2**40)]
     batch = SimpleNamespace(reqs=reqs, device="cpu")
-    info = hook(SimpleNamespace(sampling_seed=None), "SamplingBatchInfo", batch, 151_936)  # (result, cls, *args)
+    info = hooked.from_schedule_batch(batch, 151_936)
     assert info.sampling_seed.dtype == torch.int64 and info.sampling_seed.tolist() == [7, 42, 2**40]
-    given = torch.tensor([5, 6, 8])
-    assert hook(SimpleNamespace(sampling_seed=given), "SamplingBatchInfo", batch, 151_936).sampling_seed is given
+    assert info.vocab_size == 151_936
+    hooked.seeds = given = torch.tensor([5, 6, 8])  # the deterministic mode's own tensor is left as it is
+    assert hooked.from_schedule_batch(batch, 151_936).sampling_seed is given
 
 
 @pytest.mark.parametrize(
@@ -334,11 +360,21 @@ def test_a_refeed_beside_resumed_rollouts_reads_none_of_their_state(stored):
     assert salts[:2] == ["rollout:p0:11", "rollout:p1:12"] and salts[-2:] == ["pass:refeed_ids"] * 2
 
 
+class OneSeed(RadixStandIn):
+    """A sampler that draws every request from one seed (a seed lost on its way), however the request asks."""
+
+    def one(self, ids, salt, params, start, top_logprobs_num):
+        return super().one(ids, salt, {**params, "sampling_seed": 42}, start, top_logprobs_num)
+
+
 def test_stock_sampling_that_ignores_the_seeds_is_caught_before_any_request():
-    check_seeded(RadixStandIn(), [1, 2, 3])  # the same tokens from the same seed: passes
+    check_seeded(RadixStandIn(), [1, 2, 3])  # one seed, the same tokens; another seed, others: passes
     with pytest.raises(EngineError, match=r"ignores the request seeds.*replaynoise\.engines\.sglang\.plugin"):
         check_seeded(RadixStandIn(seeded=False), [1, 2, 3])
+    with pytest.raises(EngineError, match=r"same tokens for one request under two seeds"):
+        check_seeded(OneSeed(), [1, 2, 3])
     assert PROBE["ignore_eos"] and PROBE["temperature"] > 1  # free-running: unseeded draws differ
+    assert PROBE["top_p"] < 1  # the runs' sampler path, not the plain one
 
 
 def test_a_prefix_is_scored_from_its_response_start(stored):
@@ -349,11 +385,13 @@ def test_a_prefix_is_scored_from_its_response_start(stored):
 
 def test_what_sglang_made_of_the_settings_is_checked_once_built():
     settings = validate_config(sglang_config())["configs"]["s"]
-    built = SimpleNamespace(disable_radix_cache=False, page_size=1, attention_backend="fa3")
+    built = SimpleNamespace(disable_radix_cache=False, page_size=1, attention_backend="fa3", sampling_backend="pytorch")
     assert checked_server_args(built, settings) == 1
     assert checked_server_args(SimpleNamespace(**{**built.__dict__, "page_size": 128}), settings) == 128
     with pytest.raises(EngineError, match="turned its radix cache off"):
         checked_server_args(SimpleNamespace(**{**built.__dict__, "disable_radix_cache": True}), settings)
+    with pytest.raises(EngineError, match="chose the 'flashinfer' sampler, which draws no request from its own seed"):
+        checked_server_args(SimpleNamespace(**{**built.__dict__, "sampling_backend": "flashinfer"}), settings)
 
 
 def test_transplants_are_refused_by_the_engine_too(stored):

@@ -325,6 +325,8 @@ def sample_problems(
 
 
 def _listed(ordered: pl.DataFrame, ids: list[str], n: int) -> pl.DataFrame:
+    """The listed problems; an id the dataset lacks is named (a list from another dataset, a typo), and a list that
+    does not hold n distinct ids is refused (the shards and the screen count n)."""
     missing = sorted(set(ids) - set(ordered["problem_id"].to_list()))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

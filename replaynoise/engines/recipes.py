@@ -77,7 +77,8 @@ def score_salt(label: str) -> str:
 
 
 def recipe_members(requests: list[RolloutRequest]) -> list[dict]:
-    """A batch of rollout requests as a recipe records it, in order: each member's prompt, seed and cache salt."""
+    """A batch of rollout requests as a recipe records it, in order, so that a pass can regenerate it: each member's
+    prompt and seed, and its own cache salt, which its regeneration and resumed continuations share."""
     return [
         {
             "problem_id": r.problem_id,

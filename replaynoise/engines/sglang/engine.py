@@ -107,6 +107,7 @@ class SaltedEngine:
         self.engine, self.request_type = engine, request_type
 
     def generate(self, *, extra_key: list[str], **fields: Any) -> list[dict]:
+        """A batch's results in order, as ``Engine.generate`` returns them (``fields``: its arguments)."""
         request = self.request_type(extra_key=extra_key, **fields)
         generator = self.engine.tokenizer_manager.generate_request(request, None)
         return self.engine.loop.run_until_complete(generator.__anext__())
@@ -170,6 +171,8 @@ class SGLangEngine:
         ]
 
     def _generated(self, out: dict, prompt_len: int, what: str) -> Generated:
+        """One SGLang result as the pipeline keeps it; one that aborted or returned no log-probs is an error naming the
+        request, never a row."""
         meta = out.get("meta_info", {})
         reason = (meta.get("finish_reason") or {}).get("type")
         sampled, tops = meta.get("output_token_logprobs"), meta.get("output_top_logprobs")
@@ -241,7 +244,7 @@ class SGLangEngine:
     def regenerated_rollout(self, kv_file: str, kv_sha256: str | None) -> tuple[list[int], Generated]:
         """A stored rollout's prompt and its generation in this process (its whole batch regenerated on first use)."""
         recipe = self._recipe(kv_file, kv_sha256)
-        salt = recipe["batch"][recipe["index"]]["cache_salt"]
+        salt = self._salt_of(kv_file)
         if salt not in self._present:
             log.info("regenerating a batch of %d from %s", len(recipe["batch"]), kv_file)
             self._run_recipe(recipe, f"regeneration from {kv_file}")
@@ -290,27 +293,34 @@ class SGLangEngine:
 
 
 #: the seeded-sampling check's request: free-running (no stop, a high temperature), so that two draws from SGLang's
-#: one generator would differ somewhere in 32 tokens, and two draws from one seed agree
-PROBE = {"temperature": 1.5, "top_p": 1.0, "max_new_tokens": 32, "ignore_eos": True, "sampling_seed": 20260606}
+#: one generator, or from two seeds, would differ somewhere in 32 tokens, and two draws from one seed agree; top-p
+#: below 1, as the runs', takes the sampler path they take
+PROBE = {"temperature": 1.5, "top_p": 0.95, "max_new_tokens": 32, "ignore_eos": True}
+PROBE_SEEDS = (20260606, 20260606, 7)
 
 
 def check_seeded(engine: Any, prompt_ids: list[int]) -> None:
     """Each request must sample from its own seed, or a rollout cannot be regenerated and passes share no random
-    numbers. The same request twice, alone and under two salts (so both compute the same prefill), must draw the
-    same tokens; with stock kernels this fails when this package's SGLang plugin did not load in SGLang's
-    scheduler."""
+    numbers. One request drawn three times alone, under three salts (so each computes the same prefill): twice from
+    one seed, which must give the same tokens (with stock kernels this fails when this package's SGLang plugin did
+    not load in SGLang's scheduler), and once from another, which must not (a seed that never reached the sampler)."""
     drawn = [
-        engine.generate(input_ids=[prompt_ids], extra_key=[f"seed-check:{i}"], sampling_params=[dict(PROBE)])[0][
-            "output_ids"
-        ]
-        for i in range(2)
+        engine.generate(
+            input_ids=[prompt_ids], extra_key=[f"seed-check:{i}"], sampling_params=[{**PROBE, "sampling_seed": seed}]
+        )[0]["output_ids"]
+        for i, seed in enumerate(PROBE_SEEDS)
     ]
+    if drawn[0] == drawn[1] == drawn[2]:
+        raise EngineError(
+            "SGLang drew the same tokens for one request under two seeds: the request seeds do not reach its sampler "
+            "(a sampler that ignores them, or one seed for every request)"
+        )
     if drawn[0] != drawn[1]:
         raise EngineError(
             "SGLang drew different tokens for one request and seed twice: its sampler ignores the request seeds. "
             f"With stock kernels they come from replaynoise's SGLang plugin ({PLUGIN}, with {SEEDED}=1), which "
             "SGLang's spawned processes import first: check that SGLang still starts them by spawn and that nothing "
-            "else sets their main module"
+            "else sets their main module; or use kernels: invariant (SGLang's deterministic mode seeds by itself)"
         )
 
 
@@ -357,7 +367,11 @@ def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: 
         tokenizer = load_tokenizer(weights)
     salted = SaltedEngine(engine, GenerateReqInput)
     with startup("seed check"):
-        check_seeded(salted, list(tokenizer("Seeded sampling check.")["input_ids"]))
+        try:
+            check_seeded(salted, list(tokenizer("Seeded sampling check.")["input_ids"]))
+        except EngineError:
+            salted.shutdown()  # its processes would hold their share of the GPU until this one exits
+            raise
     return SGLangEngine(
         salted,
         tokenizer,
@@ -370,13 +384,19 @@ def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: 
 
 def checked_server_args(server_args: Any, settings: dict) -> int:
     """What SGLang made of the settings once built, where it overrides them by GPU: its radix cache must be on (its
-    deterministic mode turns it off where it picks flashinfer, on Blackwell for one) and its page size is the one
-    the exact pass's expected hits are computed with (fa4 on SM100 forces 128). Returns that page size."""
+    deterministic mode turns it off where it picks flashinfer, on Blackwell for one), its sampler the one that takes
+    seeds, and its page size is the one the exact pass's expected hits are computed with (fa4 on SM100 forces 128).
+    Returns that page size."""
     if server_args.disable_radix_cache:
         raise EngineError(
             f"SGLang turned its radix cache off (attention backend {server_args.attention_backend!r}, deterministic "
             f"{settings['kernels'] == 'invariant'}): the exact pass could not read the decode-time state; set "
             "sglang.attention_backend to fa3 or triton"
+        )
+    if server_args.sampling_backend != "pytorch":
+        raise EngineError(
+            f"SGLang chose the {server_args.sampling_backend!r} sampler, which draws no request from its own seed with "
+            "top-p below 1 (its flashinfer sampler refuses seeds); the engine asks for 'pytorch'"
         )
     if server_args.page_size != settings["sglang"]["page_size"]:
         log.warning(

@@ -20,6 +20,11 @@ from typing import Any
 
 import torch
 
+try:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+except ImportError:  # replaynoise without SGLang (CI, the other engines): only SGLang's own processes register the hook
+    HookRegistry = HookType = None
+
 log = logging.getLogger(__name__)
 
 #: set to "1" in the environment of the SGLang processes whose stock sampling should draw from per-request seeds
@@ -45,8 +50,6 @@ def register(registry: Any = None, after: Any = None) -> bool:
     if os.environ.get(SEEDED) != "1":
         return False
     if registry is None:
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # only SGLang's processes call this
-
         registry, after = HookRegistry, HookType.AFTER
     registry.register(TARGET, _after_hook, after)
     log.info("replaynoise: per-request sampling seeds in stock mode (%s)", TARGET)
