@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out"
 # replaynoise is on PYTHONPATH here, not installed: its SGLang plugin's entry point (pyproject.toml) is written as an
 # installed environment has it (install.sh --sglang-cuda), beside the import of the plugin by SGLang's spawned
-# processes (replaynoise/engines/sglang/engine.py, children_import_plugin), as the runs of 2026-12-06 had it.
+# processes (replaynoise/engines/sglang/launch.py, children_import_plugin), as the runs of 2026-12-06 had it.
 ep=/root/replaynoise-ep/replaynoise-0.1.0.dist-info
 mkdir -p "$ep"
 printf 'Metadata-Version: 2.1\nName: replaynoise\nVersion: 0.1.0\n' > "$ep/METADATA"

@@ -25,14 +25,8 @@ from replaynoise.config import analysis_hash, validate_config
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings, VerificationError
 from replaynoise.engines.recipes import chained_digests, read_recipe
 from replaynoise.engines.sglang import plugin
-from replaynoise.engines.sglang.engine import (
-    PROBE,
-    EngineError,
-    SGLangEngine,
-    check_seeded,
-    checked_server_args,
-    engine_kwargs,
-)
+from replaynoise.engines.sglang.engine import EngineError, SGLangEngine, engine_kwargs
+from replaynoise.engines.sglang.launch import PROBE, check_seeded, checked_server_args
 from replaynoise.machine import platform_problems
 from replaynoise.settings import ConfigError
 
@@ -93,7 +87,7 @@ def test_the_installed_package_declares_its_sglang_plugin():
 SCRIPT = """
 import multiprocessing, sys
 sys.path.insert(0, {repo!r})
-from replaynoise.engines.sglang.engine import children_import_plugin
+from replaynoise.engines.sglang.launch import children_import_plugin
 print("script body", flush=True)
 probe = "import sys; m = sys.modules['__mp_main__']; print('child main', m.__file__.rsplit('/', 1)[-1], flush=True)"
 child = multiprocessing.get_context("spawn").Process(target=exec, args=(probe,))

@@ -63,6 +63,7 @@ LAYERS = [
         "engines.sglang.plugin",
     ],
     ["engines.hf.kvfiles", "engines.hf.kernels", "engines.hf.records", "engines.recipes", "engines.registry"],
+    ["engines.sglang.launch"],
     ["engines.hf.static", "engines.vllm.engine", "engines.sglang.engine"],
     ["engines.hf.states"],
     ["engines.hf.forwards"],

@@ -1,6 +1,6 @@
 """Per-request seeds for SGLang's stock kernels: a hook that SGLang applies in each of its processes, the scheduler's
 included. Each of them imports this module first (the engine names it their main module while it starts them:
-``engine.children_import_plugin``), and where replaynoise is installed SGLang's plugin loader also finds it by its
+``launch.children_import_plugin``), and where replaynoise is installed SGLang's plugin loader also finds it by its
 entry point (group ``sglang.srt.plugins``, pyproject.toml); registered twice, the hook acts once.
 
 SGLang 0.5.16 builds a batch's per-request ``sampling_seed`` tensor only under ``enable_deterministic_inference``
@@ -61,5 +61,5 @@ def _after_hook(info: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> A
     return seed_tensor(info, batch, *args, **kwargs)
 
 
-if __name__ == "__mp_main__":  # imported first by a process SGLang spawned (engine.children_import_plugin)
+if __name__ == "__mp_main__":  # imported first by a process SGLang spawned (launch.children_import_plugin)
     register()

@@ -1,0 +1,118 @@
+"""What starts SGLang for the engine and checks it once started: each of its processes imports this package's SGLang
+plugin first, a batch goes to it with its cache salts, and what it made of the settings and of the request seeds is
+checked before any request of the run (docs/sglang.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from replaynoise.engines.recipes import EngineError
+from replaynoise.engines.sglang.plugin import SEEDED
+
+log = logging.getLogger(__name__)
+
+#: the module SGLang's processes import first (``children_import_plugin``): it hooks their sampling where asked
+PLUGIN = "replaynoise.engines.sglang.plugin"
+
+
+class SaltedEngine:
+    """``sglang.Engine`` with a cache salt per request: ``Engine.generate`` does not pass ``extra_key`` on, so a batch
+    goes to its tokenizer manager as the ``GenerateReqInput`` that ``Engine.generate`` itself builds, salts added."""
+
+    def __init__(self, engine: Any, request_type: type) -> None:
+        self.engine, self.request_type = engine, request_type
+
+    def generate(self, *, extra_key: list[str], **fields: Any) -> list[dict]:
+        """A batch's results in order, as ``Engine.generate`` returns them (``fields``: its arguments)."""
+        request = self.request_type(extra_key=extra_key, **fields)
+        generator = self.engine.tokenizer_manager.generate_request(request, None)
+        return self.engine.loop.run_until_complete(generator.__anext__())
+
+    def flush_cache(self) -> Any:
+        return self.engine.flush_cache()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+#: the seeded-sampling check's request: free-running (no stop, a high temperature), so that two draws from SGLang's
+#: one generator, or from two seeds, would differ somewhere in 32 tokens, and two draws from one seed agree; top-p
+#: below 1, as the runs', takes the sampler path they take
+PROBE = {"temperature": 1.5, "top_p": 0.95, "max_new_tokens": 32, "ignore_eos": True}
+PROBE_SEEDS = (20260606, 20260606, 7)
+
+
+def check_seeded(engine: Any, prompt_ids: list[int]) -> None:
+    """Each request must sample from its own seed, or a rollout cannot be regenerated and passes share no random
+    numbers. One request drawn three times alone, under three salts (so each computes the same prefill): twice from
+    one seed, which must give the same tokens (with stock kernels this fails when this package's SGLang plugin did
+    not load in SGLang's scheduler), and once from another, which must not (a seed that never reached the sampler)."""
+    drawn = [
+        engine.generate(
+            input_ids=[prompt_ids], extra_key=[f"seed-check:{i}"], sampling_params=[{**PROBE, "sampling_seed": seed}]
+        )[0]["output_ids"]
+        for i, seed in enumerate(PROBE_SEEDS)
+    ]
+    if drawn[0] == drawn[1] == drawn[2]:
+        raise EngineError(
+            "SGLang drew the same tokens for one request under two seeds: the request seeds do not reach its sampler "
+            "(a sampler that ignores them, or one seed for every request)"
+        )
+    if drawn[0] != drawn[1]:
+        raise EngineError(
+            "SGLang drew different tokens for one request and seed twice: its sampler ignores the request seeds. "
+            f"With stock kernels they come from replaynoise's SGLang plugin ({PLUGIN}, with {SEEDED}=1), which "
+            "SGLang's spawned processes import first: check that SGLang still starts them by spawn and that nothing "
+            "else sets their main module; or use kernels: invariant (SGLang's deterministic mode seeds by itself)"
+        )
+
+
+@contextmanager
+def children_import_plugin() -> Iterator[None]:
+    """While SGLang starts its processes: each imports this package's SGLang plugin as its main module.
+
+    SGLang starts its scheduler with multiprocessing's spawn, whose child first runs the parent's ``__main__`` again:
+    a Snakemake script (a file without a ``__main__`` guard) would build a second engine there. A main module that
+    names an importable spec is imported by that name instead, so naming the plugin module makes each child import
+    it, which registers its hook there (``plugin.py``) whether or not replaynoise is installed in the environment (its
+    entry point is not, under ``--use-conda``). The main module's own spec is restored once the processes run."""
+    main = sys.modules["__main__"]
+    had, saved = hasattr(main, "__spec__"), getattr(main, "__spec__", None)
+    main.__spec__ = importlib.util.find_spec(PLUGIN)
+    try:
+        yield
+    finally:
+        if had:
+            main.__spec__ = saved
+        else:
+            del main.__spec__
+
+
+def checked_server_args(server_args: Any, settings: dict) -> int:
+    """What SGLang made of the settings once built, where it overrides them by GPU: its radix cache must be on (its
+    deterministic mode turns it off where it picks flashinfer, on Blackwell for one), its sampler the one that takes
+    seeds, and its page size is the one the exact pass's expected hits are computed with (fa4 on SM100 forces 128).
+    Returns that page size."""
+    if server_args.disable_radix_cache:
+        raise EngineError(
+            f"SGLang turned its radix cache off (attention backend {server_args.attention_backend!r}, deterministic "
+            f"{settings['kernels'] == 'invariant'}): the exact pass could not read the decode-time state; set "
+            "sglang.attention_backend to fa3 or triton"
+        )
+    if server_args.sampling_backend != "pytorch":
+        raise EngineError(
+            f"SGLang chose the {server_args.sampling_backend!r} sampler, which draws no request from its own seed with "
+            "top-p below 1 (its flashinfer sampler refuses seeds); the engine asks for 'pytorch'"
+        )
+    if server_args.page_size != settings["sglang"]["page_size"]:
+        log.warning(
+            "SGLang runs with page_size %d, not the %d configured",
+            server_args.page_size,
+            settings["sglang"]["page_size"],
+        )
+    return int(server_args.page_size)
