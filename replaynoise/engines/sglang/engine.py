@@ -40,8 +40,8 @@ from replaynoise.engines.recipes import (
     FINISH,
     EngineError,
     Generated,
+    RegeneratedRollouts,
     checked_result,
-    read_recipe,
     recipe_members,
     rollout_recipe,
     salted_prompt,
@@ -111,9 +111,8 @@ class SGLangEngine:
         self.eos_ids = set(eos) | self.stop_ids
         self.topk = topk
         self.page_size = page_size
-        #: rollouts whose decode-time KV this process holds: cache salt -> (prompt, result)
-        self._present: dict[str, tuple[list[int], Generated]] = {}
-        self._recipes: dict[str, dict] = {}
+        #: rollouts whose decode-time KV this process holds
+        self.rollouts = RegeneratedRollouts(self.name)
         self.phases = Phases()
 
     def _params(self, seed: int, sampling: dict) -> dict:
@@ -201,27 +200,12 @@ class SGLangEngine:
         prompts = [(m["prompt_ids"], m["cache_salt"]) for m in recipe["batch"]]
         params = [self._params(m["seed"], recipe["sampling"]) for m in recipe["batch"]]
         generated = self.submit(prompts, params, what)
-        for member, gen in zip(recipe["batch"], generated):
-            self._present.setdefault(member["cache_salt"], (member["prompt_ids"], gen))
+        self.rollouts.register(recipe, generated)
         return generated
-
-    def _recipe(self, kv_file: str, kv_sha256: str | None) -> dict:
-        if kv_file not in self._recipes:
-            self._recipes[kv_file] = read_recipe(kv_file, kv_sha256, engine=self.name)
-        return self._recipes[kv_file]
-
-    def _salt_of(self, kv_file: str) -> str:
-        recipe = self._recipes[kv_file]
-        return recipe["batch"][recipe["index"]]["cache_salt"]
 
     def regenerated_rollout(self, kv_file: str, kv_sha256: str | None) -> tuple[list[int], Generated]:
         """A stored rollout's prompt and its generation in this process (its whole batch regenerated on first use)."""
-        recipe = self._recipe(kv_file, kv_sha256)
-        salt = self._salt_of(kv_file)
-        if salt not in self._present:
-            log.info("regenerating a batch of %d from %s", len(recipe["batch"]), kv_file)
-            self._run_recipe(recipe, f"regeneration from {kv_file}")
-        return self._present[salt]
+        return self.rollouts.get(kv_file, kv_sha256, self._run_recipe)
 
     # ----------------------------------------------------------------------------------------- continuations
     def expected_cached(self, prompt_len: int) -> int:
@@ -238,7 +222,7 @@ class SGLangEngine:
                 f"prefix source {spec.label!r}: the SGLang engine keeps its KV inside SGLang, so it can neither "
                 "transplant a cache nor change a prefix's precision; run those passes with engine: hf"
             )
-        built = [salted_prompt(req, spec, self.regenerated_rollout, self._salt_of) for req in requests]
+        built = [salted_prompt(req, spec, self.regenerated_rollout, self.rollouts.salt_of) for req in requests]
         settings = {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,

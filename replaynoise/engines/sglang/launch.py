@@ -12,12 +12,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from replaynoise.engines.recipes import EngineError
+from replaynoise.engines.sglang import plugin
 from replaynoise.engines.sglang.plugin import SEEDED
 
 log = logging.getLogger(__name__)
 
 #: the module SGLang's processes import first (``children_import_plugin``): it hooks their sampling where asked
-PLUGIN = "replaynoise.engines.sglang.plugin"
+PLUGIN = plugin.__name__
 
 
 class SaltedEngine:
@@ -82,15 +83,12 @@ def children_import_plugin() -> Iterator[None]:
     it, which registers its hook there (``plugin.py``) whether or not replaynoise is installed in the environment (its
     entry point is not, under ``--use-conda``). The main module's own spec is restored once the processes run."""
     main = sys.modules["__main__"]
-    had, saved = hasattr(main, "__spec__"), getattr(main, "__spec__", None)
+    saved = main.__spec__  # None for a script run as a file; the module's own for ``python -m``
     main.__spec__ = importlib.util.find_spec(PLUGIN)
     try:
         yield
     finally:
-        if had:
-            main.__spec__ = saved
-        else:
-            del main.__spec__
+        main.__spec__ = saved
 
 
 def checked_server_args(server_args: Any, settings: dict) -> int:

@@ -22,7 +22,6 @@ verifies the whole prefix.
 
 from __future__ import annotations
 
-import logging
 import struct
 from pathlib import Path
 from typing import Any
@@ -43,8 +42,8 @@ from replaynoise.engines.recipes import (
     FINISH,
     EngineError,
     Generated,
+    RegeneratedRollouts,
     checked_result,
-    read_recipe,
     recipe_members,
     rollout_recipe,
     salted_prompt,
@@ -54,8 +53,6 @@ from replaynoise.engines.recipes import (
 from replaynoise.engines.vllm.build import build_llm, check_invariant_platform
 from replaynoise.progress import Phases
 from replaynoise.settings import EngineSettings
-
-log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------- log-probs
@@ -88,9 +85,8 @@ class VLLMEngine:
         self.eos_ids = set(eos_ids) | self.stop_ids
         self.topk = topk
         self.block_size = block_size
-        #: rollouts whose decode-time blocks this process has produced: cache salt -> (prompt, result)
-        self._present: dict[str, tuple[list[int], Generated]] = {}
-        self._recipes: dict[str, dict] = {}
+        #: rollouts whose decode-time blocks this process has produced
+        self.rollouts = RegeneratedRollouts(self.name)
         self.phases = Phases()
 
     # ----------------------------------------------------------------------------------------- requests
@@ -180,32 +176,16 @@ class VLLMEngine:
             self.sampling_params(m["seed"], s["temperature"], s["top_p"], s["max_new_tokens"]) for m in recipe["batch"]
         ]
         generated = self.submit(prompts, params, what)
-        for member, gen in zip(recipe["batch"], generated):
-            self._present.setdefault(member["cache_salt"], (member["prompt_ids"], gen))
+        self.rollouts.register(recipe, generated)
         return generated
 
     def regenerated_rollout(self, kv_file: str, kv_sha256: str | None) -> tuple[list[int], Generated]:
         """A stored rollout's prompt and its generation in this process (regenerated on first use)."""
-        recipe = self._recipe(kv_file, kv_sha256)
-        member = recipe["batch"][recipe["index"]]
-        if member["cache_salt"] not in self._present:
-            log.info("regenerating %s (batch of %d) from %s", member["problem_id"], len(recipe["batch"]), kv_file)
-            self._run_recipe(recipe, f"regeneration from {kv_file}")
-        return self._present[member["cache_salt"]]
-
-    def _recipe(self, kv_file: str, kv_sha256: str | None) -> dict:
-        """A recipe, read and checked once per process."""
-        if kv_file not in self._recipes:
-            self._recipes[kv_file] = read_recipe(kv_file, kv_sha256)
-        return self._recipes[kv_file]
-
-    def _salt_of(self, kv_file: str) -> str:
-        recipe = self._recipes[kv_file]
-        return recipe["batch"][recipe["index"]]["cache_salt"]
+        return self.rollouts.get(kv_file, kv_sha256, self._run_recipe)
 
     def forget_rollouts(self) -> None:
-        """Drop the registry of regenerated rollouts (after the cache was reset, say): the next use regenerates."""
-        self._present.clear()
+        """Drop the regenerated rollouts (after the cache was reset, say): the next use regenerates."""
+        self.rollouts.forget()
 
     # ----------------------------------------------------------------------------------------- continuations
     def expected_cached(self, prompt_len: int) -> int:
@@ -223,7 +203,7 @@ class VLLMEngine:
                 "run transplant and precision passes with engine: hf"
             )
         prompts, checks = (
-            zip(*(salted_prompt(req, spec, self.regenerated_rollout, self._salt_of) for req in requests))
+            zip(*(salted_prompt(req, spec, self.regenerated_rollout, self.rollouts.salt_of) for req in requests))
             if requests
             else ((), ())
         )
