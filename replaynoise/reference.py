@@ -10,6 +10,7 @@ so a reviewer can tell a platform's last-bit drift from a different result.
     python -m replaynoise.reference rebuild reference/gpu/qwen /tmp/qwen  # on CPU; exit 1 on a difference
     python -m replaynoise.reference figure reference/gpu reference/gpu/smollm2 reference/gpu/qwen ...
     python -m replaynoise.reference partial results config/campaigns/X.yaml reference/X-partial  # a cut-short run
+    python -m replaynoise.reference contrast reference/A-vs-B.md reference/A reference/B  # two runs' excesses
 
 `rebuild` recomputes a reference folder's statistics, tables and figures from its committed per-pivot credit
 tables and configuration alone, and checks each rebuilt file against the folder's manifest: a reader needs no
@@ -22,6 +23,8 @@ table code alone. `compare` also names the commit that reproduces the reference 
 clean provenance) when the rerun ran other code.
 
 `partial` keeps what a run cut short finished as a folder of its own (``replaynoise.partials``).
+
+`contrast` writes two folders' excesses and their difference with its interval (``report.contrasts``).
 
 `figure` redraws the channel-agreement figure of several reference folders together (one run's workflow draws
 only its own configurations), from their committed analysis files alone, so a reader can rebuild it on CPU.
@@ -44,9 +47,10 @@ from replaynoise.analysis.pooling import pooled_comparison
 from replaynoise.analysis.prefix_mismatch import mismatch_summary
 from replaynoise.config import analysis_hash
 from replaynoise.generation.passes import run_passes
-from replaynoise.io import read_json, read_manifest, read_parquet, sha256_file, write_json
+from replaynoise.io import read_json, read_manifest, read_parquet, sha256_file, write_json, write_text
 from replaynoise.partials import PARTIAL_FILE, partial, rebuild_partial
 from replaynoise.report import controls as report_controls
+from replaynoise.report.contrasts import contrast_lines
 from replaynoise.report.headline import headline_rows
 from replaynoise.report.plots import PLOTS
 from replaynoise.report.tables import mismatch_lines, write_headline_tables
@@ -333,6 +337,10 @@ def _parser() -> argparse.ArgumentParser:
     cut.add_argument("campaign", type=Path, help="the run's configuration file (one configuration)")
     cut.add_argument("reference", type=Path)
     cut.add_argument("--note", default="", help="why the run stopped, for partial.json")
+    vs = sub.add_parser("contrast", help="write two reference folders' excesses and their difference to OUT")
+    vs.add_argument("out", type=Path)
+    vs.add_argument("first", type=Path)
+    vs.add_argument("second", type=Path)
     fig = sub.add_parser("figure", help="draw the channel-agreement figure of several reference folders into OUT")
     fig.add_argument("out", type=Path)
     fig.add_argument("folders", type=Path, nargs="+")
@@ -360,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tables":
             written = refresh_tables(args.reference)
             print(f"{len(written)} tables rewritten in {args.reference}, with their manifest lines")
+            return 0
+        if args.command == "contrast":
+            write_text("\n".join(contrast_lines(args.first, args.second)) + "\n", args.out)
+            print(f"{args.out}: {args.first} - {args.second}")
             return 0
         if args.command == "figure":
             args.out.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import TINY, analysis_settings, planned_rules
+from scipy import stats as sps
 
 from replaynoise.analysis.comparison import compare_passes
-from replaynoise.analysis.replicated import components, crossed_interval, plan, replicated_stats
+from replaynoise.analysis.replicated import components, crossed_difference, crossed_interval, plan, replicated_stats
 from replaynoise.config import analysis_hash, validate_config
 from replaynoise.generation.passes import draw_name, pass_spec, replicate_pairs, run_passes
 from replaynoise.io import read_json, read_parquet
@@ -106,6 +107,41 @@ def test_the_crossed_interval_covers_zero_where_the_problem_bootstrap_does_not(p
 
 
 # ------------------------------------------------------------------------------------------------ power
+
+
+def test_the_difference_of_two_runs_is_welch_s_interval_of_two_independent_means():
+    """Two samples' means as two runs' estimates (se s/sqrt(n), df n - 1): the difference's interval is scipy's
+    Welch t interval of the same samples."""
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(3.0, 2.0, 12), rng.normal(1.0, 0.7, 30)
+    run = [{"estimate": z.mean(), "se": z.std(ddof=1) / math.sqrt(z.size), "df": z.size - 1.0} for z in (x, y)]
+    diff = crossed_difference(run[0], run[1], 0.95)
+    welch = sps.ttest_ind(x, y, equal_var=False).confidence_interval(0.95)
+    assert diff["estimate"] == pytest.approx(x.mean() - y.mean())
+    assert (diff["ci_lo"], diff["ci_hi"]) == pytest.approx((welch.low, welch.high), rel=1e-9)
+    assert diff["resolved"] == (welch.low > 0 or welch.high < 0)
+    swapped = crossed_difference(run[1], run[0], 0.95)
+    assert (swapped["ci_lo"], swapped["ci_hi"]) == pytest.approx((-diff["ci_hi"], -diff["ci_lo"]))
+
+
+def test_a_difference_from_a_run_without_spread_is_the_other_run_s_interval_shifted():
+    first = crossed_interval(*_two_pair_table(), ci=0.95, scale=100.0)
+    exact = {"estimate": 4.0, "se": 0.0, "df": 3.0}
+    diff = crossed_difference(first, exact, 0.95)
+    assert diff["df"] == pytest.approx(first["df"])
+    assert (diff["ci_lo"], diff["ci_hi"]) == pytest.approx((first["ci_lo"] - 4.0, first["ci_hi"] - 4.0))
+
+
+def test_a_run_of_one_pair_has_no_difference_interval_and_says_why():
+    one_pair = crossed_interval(np.array([[1.0], [2.0]]), np.array([[4.0], [4.0]]), 0.95)
+    diff = crossed_difference(one_pair, {"estimate": 1.0, "se": 0.5, "df": 9.0}, 0.95)
+    assert diff["estimate"] is None and "2 pairs" in diff["reason"]
+
+
+def _two_pair_table() -> tuple[np.ndarray, np.ndarray]:
+    """Cell sums and counts of 6 problems x 2 pairs, 4 pivots a cell."""
+    s = np.array([[1.0, 2.0], [0.0, 1.0], [2.0, 2.0], [1.0, 0.0], [3.0, 2.0], [0.0, 1.0]])
+    return s, np.full_like(s, 4.0)
 
 
 def test_a_plan_needs_more_problems_or_pairs_for_a_smaller_excess_and_refuses_one_pair():

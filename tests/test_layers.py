@@ -79,7 +79,7 @@ LAYERS = [
     ["analysis.replicated", "analysis.prefix_mismatch", "analysis.probes"],
     ["analysis.comparison", "analysis.controls"],
     ["analysis.pooling", "analysis.cross_scoring"],
-    ["report.summary", "report.cost", "report.drawing", "report.headline"],
+    ["report.summary", "report.cost", "report.drawing", "report.headline", "report.contrasts"],
     ["report.tables", "report.figures"],
     ["report.credit_figures"],
     ["report.plots"],

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,8 @@ from replaynoise.provenance import verify_manifest
 from replaynoise.reference import channel_data, float_drift, main
 from replaynoise.snapshots import compare, snapshot
 
-GPU = Path(__file__).resolve().parents[1] / "reference" / "gpu"
+REPO = Path(__file__).resolve().parents[1]
+GPU = REPO / "reference" / "gpu"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import coverage  # noqa: E402
 
@@ -406,9 +410,65 @@ def test_a_run_cut_short_keeps_its_whole_pairs_of_draws_and_agrees_with_the_fini
     assert main(["rebuild", str(out), str(tmp_path / "again")]) == 0, capsys.readouterr().out
 
 
+def test_the_lease_s_packing_of_a_cut_short_run_keeps_its_folder_the_rows_kept_columns_and_a_clean_log(tmp_path):
+    """benchmarks/h200-partial.sh, as a lease runs it on a campaign's working directory: the partial folder, each
+    pass's rows with only the columns reference/ keeps, and the Snakemake log without its progress bars."""
+    full, name = LADDER / "qwen-1.5b", "qwen2.5-coder-1.5b-vllm"
+    work = tmp_path / "work"
+    (work / "results" / "credit" / name).mkdir(parents=True)
+    (work / "results" / "passes" / name).mkdir(parents=True)
+    for done in ("exact", "replica", "refeed"):
+        shutil.copy(full / "credit" / name / f"{done}.parquet", work / "results" / "credit" / name)
+        rows = pl.DataFrame({"pivot_id": ["p0", "p1"], "verified": [True, False], "tokens": [[1, 2], [3]]})
+        rows.write_parquet(work / "results" / "passes" / name / f"{done}.parquet")
+    (work / "snakemake.log").write_text("localrule replay_exact:\rCapturing batches 3/36\r 50%| 1/2 [00:01, 1.0it/s]\n")
+    campaign = tmp_path / "qwen-1.5b.yaml"
+    campaign.write_text(json.dumps(json.loads((full / "provenance.json").read_text())["config"]))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
+    script = REPO / "benchmarks" / "h200-partial.sh"
+    done = subprocess.run(["bash", str(script), str(work), str(campaign), str(tmp_path / "out"), "cut"], env=env)
+    assert done.returncode == 0
+    with tarfile.open(tmp_path / "out" / "partial.tgz") as packed:
+        packed.extractall(tmp_path / "unpacked", filter="data")
+    unpacked = tmp_path / "unpacked"
+    assert json.loads((unpacked / "reference" / "partial.json").read_text())["note"] == "cut"
+    kept = pl.read_parquet(unpacked / "reference" / "rows" / name / "refeed.parquet")
+    assert kept.columns == ["pivot_id", "verified"] and kept["verified"].to_list() == [True, False]
+    assert (unpacked / "snakemake.log").read_text() == "localrule replay_exact:\n"
+
+
 def test_whole_pairs_leave_out_a_draw_without_its_partner_and_need_exact():
     assert whole_pairs(["exact", "replica", "refeed", "replica_r2"]) == ["exact", "replica", "refeed"]
     both = ["exact", "replica", "replica_r2", "refeed", "refeed_replica"]
     assert whole_pairs(both) == ["exact", "replica", "refeed", "replica_r2", "refeed_replica"]
     with pytest.raises(ValueError, match="no exact pass"):
         whole_pairs(["replica", "refeed"])
+
+
+#: committed contrasts of two folders' excesses: the file, then the two folders, as its command names them
+CONTRASTS = {
+    "reference/gpu-sglang/sglang-vs-vllm-0.5b.md": (
+        "reference/gpu-sglang/qwen-0.5b-vllm-problems",
+        "reference/gpu-vllm/ladder/qwen-0.5b",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONTRASTS))
+def test_a_committed_contrast_is_what_its_command_writes_from_the_two_folders(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(GPU.parents[1])
+    out = tmp_path / "contrast.md"
+    assert main(["contrast", str(out), *CONTRASTS[name]]) == 0
+    assert out.read_text() == (GPU.parents[1] / name).read_text()
+
+
+def test_a_contrast_refuses_a_folder_of_one_draw_per_pass_and_one_of_several_configurations(tmp_path, capsys):
+    replicated = GPU.parent / "gpu-vllm" / "ladder" / "qwen-0.5b"
+    one_draw = GPU.parent / "gpu-vllm" / "ladder" / "qwen-invariant"
+    assert main(["contrast", str(tmp_path / "a.md"), str(replicated), str(one_draw)]) != 0
+    assert "one draw per pass" in capsys.readouterr().err and not (tmp_path / "a.md").exists()
+    several = tmp_path / "several"
+    for config in ("x", "y"):
+        shutil.copytree(replicated / "analysis" / "qwen2.5-coder-0.5b-vllm", several / "analysis" / config)
+    assert main(["contrast", str(tmp_path / "b.md"), str(several), str(replicated)]) != 0
+    assert "x, y" in capsys.readouterr().err

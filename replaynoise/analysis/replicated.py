@@ -197,6 +197,28 @@ def _resolved(stat: dict) -> bool | None:
     return None if lo is None or hi is None else bool(lo > 0 or hi < 0)
 
 
+def crossed_difference(a: dict, b: dict, ci: float) -> dict[str, Any]:
+    """``a - b`` of two runs' crossed intervals (``crossed_interval``), with a Welch-Satterthwaite interval: the
+    runs' draws are independent, but runs over one problem list share their problems, whose effects this takes as
+    independent too: where they go together (a problem hard for one engine is hard for the other) the interval is
+    conservative, wider than a joint model's."""
+    if any(x.get("se") is None or x.get("df") is None for x in (a, b)):
+        return {"estimate": None, "reason": "a run without a crossed interval (fewer than 2 problems or 2 pairs)"}
+    estimate = a["estimate"] - b["estimate"]
+    variance = a["se"] ** 2 + b["se"] ** 2
+    spread = a["se"] ** 4 / a["df"] + b["se"] ** 4 / b["df"]
+    df = variance**2 / spread if spread > 0 else math.inf
+    half = float(sps.t.ppf(0.5 + ci / 2, df)) * math.sqrt(variance)
+    out = {
+        "estimate": json_number(estimate),
+        "se": json_number(math.sqrt(variance)),
+        "df": json_number(df),
+        "ci_lo": json_number(estimate - half),
+        "ci_hi": json_number(estimate + half),
+    }
+    return {**out, "resolved": _resolved(out)}
+
+
 def replicated_stats(
     codes: np.ndarray,
     masks: np.ndarray,

@@ -1,0 +1,75 @@
+"""One run's excess against another's (two engines over one problem list, say), as a number with its own interval.
+
+Each run's headline table gives its excess with an interval; whether two runs differ is a third statistic, and
+reading it off two intervals by eye is the error this module exists to prevent. It takes the crossed (problems x
+pass draws) excess of each folder's one configuration and writes their difference with a Welch-Satterthwaite
+interval (``analysis.replicated.crossed_difference``): conservative where the runs share problems whose effects go
+together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from replaynoise.analysis.replicated import crossed_difference
+from replaynoise.io import read_json
+
+#: the conditionings a contrast reports: the paper's main one, and the one whose sets do not depend on the treatment
+CONTRASTED = ("main", "treatment_independent")
+
+
+def folder_comparison(folder: Path) -> tuple[str, dict]:
+    """The one configuration's comparison of a reference folder (pooled comparisons aside)."""
+    found = sorted(p for p in (folder / "analysis").glob("*/comparison.json") if p.parent.name != "pooled")
+    if len(found) != 1:
+        names = ", ".join(p.parent.name for p in found) or "none"
+        raise ValueError(f"{folder}: a contrast takes a folder of one configuration; its analysis/ has {names}")
+    return found[0].parent.name, read_json(found[0])
+
+
+def replicated_excess(comparison: dict, conditioning: str, where: str) -> dict:
+    """The excess block (crossed and problem-only) of a comparison's replicated pairs under one conditioning."""
+    replicated = comparison["conditionings"][conditioning].get("replicated")
+    if not replicated:
+        raise ValueError(
+            f"{where}: one draw per pass, so no interval over pass draws to contrast (run replay.replicates >= 2)"
+        )
+    return replicated["by_metric"][comparison["metric"]]["excess_pp"] | {"n_pairs": replicated["n_pairs"]}
+
+
+def _interval(stat: dict) -> str:
+    if stat.get("ci_lo") is None:
+        return f"{stat['estimate']:+.1f}" if stat.get("estimate") is not None else "n/a"
+    return f"{stat['estimate']:+.1f} [{stat['ci_lo']:+.1f}, {stat['ci_hi']:+.1f}]"
+
+
+def contrast_lines(first: Path, second: Path) -> list[str]:
+    """A markdown table of the two folders' excesses and their difference (first - second), per conditioning."""
+    (name_a, a), (name_b, b) = folder_comparison(first), folder_comparison(second)
+    ci = a["parameters"]["ci"]
+    if a["metric"] != b["metric"]:
+        raise ValueError(f"{first} and {second}: metric {a['metric']!r} against {b['metric']!r}: not like with like")
+    if b["parameters"]["ci"] != ci:
+        raise ValueError(f"{first} and {second}: intervals of {ci} against {b['parameters']['ci']}")
+    lines = [
+        f"# Contrast: `{first.name}` ({name_a}) - `{second.name}` ({name_b})",
+        "",
+        f"Written by `python -m replaynoise.reference contrast OUT {first} {second}` from the two folders'",
+        f"`analysis/*/comparison.json`; metric {a['metric']}; {ci:.0%} intervals over problems and pass draws",
+        "(crossed model, docs/method.md section 4). The difference's interval is Welch-Satterthwaite: it takes the two",
+        "runs as independent, so where their problem effects go together (one problem list) it is wider than a joint",
+        "model's.",
+        "",
+        "| conditioning | first: excess pp (pairs, problems) | second: excess pp (pairs, problems) "
+        "| difference pp | df | resolved |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for conditioning in CONTRASTED:
+        ea = replicated_excess(a, conditioning, f"{first}, {conditioning}")
+        eb = replicated_excess(b, conditioning, f"{second}, {conditioning}")
+        diff = crossed_difference(ea["crossed"], eb["crossed"], ci)
+        cells = [f"{_interval(e['crossed'])} ({e['n_pairs']}, {e['crossed']['n_problems']})" for e in (ea, eb)]
+        df = f"{diff['df']:.1f}" if diff.get("df") is not None else "n/a"
+        resolved = {True: "yes", False: "no", None: "n/a"}[diff.get("resolved")]
+        lines.append(f"| {conditioning} | {cells[0]} | {cells[1]} | {_interval(diff)} | {df} | {resolved} |")
+    return lines
