@@ -34,9 +34,14 @@ for cfg in "$@"; do
         done
         tar -C "$WORK" -czf "$out/$name.tgz" reference
         ls -la "$out/$name.tgz"
-    elif [ -d "$WORK/results/logs" ]; then  # unfinished or failed: the logs to see why, and what did finish
-        parts=$(cd "$WORK" && ls -d results/logs results/pivots results/credit results/analysis \
-            results/problems results/benchmarks 2>/dev/null)
-        tar -C "$WORK" -czf "$out/$name.partial.tgz" $parts
+    else  # cut short: a partial reference folder where exact and a whole pair of draws finished, else what did
+        packed="$out/$name.reference-partial.tgz"
+        rm -f "$packed"
+        bash benchmarks/h200-partial.sh "$WORK" "$cfg" "$packed" "the run stopped before every pass ran" 2>&1 | tail -3
+        if [ ! -f "$packed" ] && [ -d "$WORK/results/logs" ]; then  # the logs to see why, and what did finish
+            parts=$(cd "$WORK" && ls -d results/logs results/pivots results/credit results/analysis \
+                results/problems results/benchmarks 2>/dev/null)
+            tar -C "$WORK" -czf "$out/$name.partial.tgz" $parts
+        fi
     fi
 done

@@ -2,12 +2,15 @@
 # A campaign cut short on a lent GPU machine, packed for reference/ before the lease ends: the partial reference
 # folder (python -m replaynoise.reference partial: credit tables, pivots, logs, the comparison of the whole pairs
 # of draws) with the replayed rows' verification, cache-hit and first-step-digest columns in rows/ (tokens and
-# log-probs left out for size), the Snakemake log without progress bars, into OUT_DIR/partial.tgz:
-#   bash benchmarks/h200-partial.sh WORK_DIR CAMPAIGN_FILE OUT_DIR [NOTE]
-# WORK_DIR is the campaign's working directory (benchmarks/h200-campaign.sh: $WORK/<folder>-<name>).
+# log-probs left out for size), the Snakemake log without progress bars, into one tarball:
+#   bash benchmarks/h200-partial.sh WORK_DIR CAMPAIGN_FILE TARBALL [NOTE]
+# WORK_DIR is the campaign's working directory (benchmarks/h200-campaign.sh: $WORK/<folder>-<name>), which runs this
+# itself when a run stopped with credit tables of exact and a whole pair of draws. Fails, leaving no tarball, where the
+# run has none.
 set -euo pipefail
-work=$1 campaign=$2 out=$3 note=${4:-the lease ended before every pass ran}
+work=$1 campaign=$2 tarball=$3 note=${4:-the lease ended before every pass ran}
 stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
 python -m replaynoise.reference partial "$work/results" "$campaign" "$stage/reference" --note "$note"
 python - "$work/results/passes" "$stage/reference/rows" <<'PY'
 import pathlib, sys
@@ -23,7 +26,6 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*/*.parquet")):
     print(f"{f.parent.name}/{f.name}: {rows.height} rows")
 PY
 tr '\r' '\n' < "$work/snakemake.log" | grep -v -E "Capturing|it/s\]|row/s" > "$stage/snakemake.log" || true
-mkdir -p "$out"
-tar -C "$stage" -czf "$out/partial.tgz" reference snakemake.log
-rm -rf "$stage"
-ls -la "$out/partial.tgz"
+mkdir -p "$(dirname "$tarball")"
+tar -C "$stage" -czf "$tarball.tmp" reference snakemake.log && mv "$tarball.tmp" "$tarball"
+ls -la "$tarball"

@@ -426,15 +426,19 @@ def test_the_lease_s_packing_of_a_cut_short_run_keeps_its_folder_the_rows_kept_c
     campaign.write_text(json.dumps(json.loads((full / "provenance.json").read_text())["config"]))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
     script = REPO / "benchmarks" / "h200-partial.sh"
-    done = subprocess.run(["bash", str(script), str(work), str(campaign), str(tmp_path / "out"), "cut"], env=env)
+    packed_file = tmp_path / "out" / "kept.tgz"
+    done = subprocess.run(["bash", str(script), str(work), str(campaign), str(packed_file), "cut"], env=env)
     assert done.returncode == 0
-    with tarfile.open(tmp_path / "out" / "partial.tgz") as packed:
+    with tarfile.open(packed_file) as packed:
         packed.extractall(tmp_path / "unpacked", filter="data")
     unpacked = tmp_path / "unpacked"
     assert json.loads((unpacked / "reference" / "partial.json").read_text())["note"] == "cut"
     kept = pl.read_parquet(unpacked / "reference" / "rows" / name / "refeed.parquet")
     assert kept.columns == ["pivot_id", "verified"] and kept["verified"].to_list() == [True, False]
     assert (unpacked / "snakemake.log").read_text() == "localrule replay_exact:\n"
+    (work / "results" / "credit" / name / "refeed.parquet").unlink()  # no whole pair: nothing packed, an error
+    again = subprocess.run(["bash", str(script), str(work), str(campaign), str(tmp_path / "no.tgz")], env=env)
+    assert again.returncode != 0 and not (tmp_path / "no.tgz").exists()
 
 
 def test_whole_pairs_leave_out_a_draw_without_its_partner_and_need_exact():
