@@ -24,6 +24,7 @@ from helpers import configuration
 from replaynoise.config import analysis_hash, validate_config
 from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings, VerificationError
 from replaynoise.engines.recipes import chained_digests, read_recipe
+from replaynoise.engines.sglang import engine as sglang_engine
 from replaynoise.engines.sglang import plugin
 from replaynoise.engines.sglang.engine import EngineError, SGLangEngine, engine_kwargs
 from replaynoise.engines.sglang.launch import PROBE, check_seeded, checked_server_args
@@ -318,6 +319,21 @@ def test_exact_regenerates_in_a_new_process_and_reads_the_decode_time_state(stor
             result.verified and result.expected_cached_tokens == len(rollout.prompt_ids) + 3
         )  # L + t, all but the branch
         assert result.cached_tokens == result.expected_cached_tokens
+
+
+def test_a_continuation_builds_only_its_first_step_s_top_k_and_keeps_every_result(stored, monkeypatch):
+    """Continuations read their first step's top-k alone: building only it leaves every result as building every
+    step's did, and rollouts (whose every step a pivot and a regeneration read) keep all of theirs."""
+    requests = [continuation(r, 3) for r in stored]
+    full = SGLangEngine.submit
+    monkeypatch.setattr(SGLangEngine, "submit", lambda self, *a, positions=None: full(self, *a))
+    every = engine(RadixStandIn()).run_batch(requests, "decode_kv", SAMPLING)
+    monkeypatch.setattr(SGLangEngine, "submit", full)
+    built, position = [], sglang_engine._position
+    monkeypatch.setattr(sglang_engine, "_position", lambda *a: built.append(a) or position(*a))
+    first = engine(RadixStandIn()).run_batch(requests, "decode_kv", SAMPLING)
+    assert first == every
+    assert len(built) == 2 * 6 + 2  # the two rollouts regenerated, all 6 steps each; one step per continuation
 
 
 def test_a_page_of_four_expects_whole_pages_only(stored):

@@ -160,6 +160,26 @@ def test_regeneration_matches_the_stored_rollout_bitwise(engine, stored):
         assert gen.token_logprobs == r["response_logprobs"]
 
 
+def test_a_continuation_keeps_its_first_step_s_top_k_alone_as_all_steps_would_give_it(engine, stored):
+    """Continuations read their first step's top-k alone (``positions=1``): the tokens, that step and the sampled
+    tokens' log-probs are what keeping every step gives, for one request under one cache state (a first call
+    fills the cache with its prompt, so the two compared both read it)."""
+    rollouts, _ = stored
+    r = rollouts.row(0, named=True)
+    prompt = (list(r["prompt_ids"]) + list(r["response_ids"][:3]), "first-step-test")
+    params = [engine.sampling_params(5, 0.7, 0.95, 6)]
+    engine.submit([prompt], params, "warm")
+    (every,) = engine.submit([prompt], params, "every step")
+    (first,) = engine.submit([prompt], params, "first step", positions=1)
+    assert len(every.topk_ids) == len(every.token_ids) > 1 and len(first.topk_ids) == len(first.raw) == 1
+    assert first.token_ids == every.token_ids and first.token_logprobs == every.token_logprobs
+    assert (first.topk_ids[0], first.topk_logprobs[0], first.raw[0]) == (
+        every.topk_ids[0],
+        every.topk_logprobs[0],
+        every.raw[0],
+    )
+
+
 def test_refeed_reads_no_decode_time_block(engine, stored):
     """With the rollout's decode-time blocks in the cache, its prefix re-fed under the pass salt hits nothing,
     while the same prompt under the rollout's salt hits them as the formula says."""

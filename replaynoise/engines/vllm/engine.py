@@ -103,8 +103,12 @@ class VLLMEngine:
             detokenize=False,
         )
 
-    def submit(self, prompts: list[tuple[list[int], str]], params: list, what: str) -> list[Generated]:
-        """Submit prompts (ids, cache salt) together, as one co-scheduled batch; engine errors propagate."""
+    def submit(
+        self, prompts: list[tuple[list[int], str]], params: list, what: str, positions: int | None = None
+    ) -> list[Generated]:
+        """Submit prompts (ids, cache salt) together, as one co-scheduled batch; engine errors propagate. Only the
+        first ``positions`` steps' top-k are kept (None: all, as rollouts need; a continuation reads its first step's
+        alone)."""
         from vllm.inputs import TokensPrompt
 
         inputs = [TokensPrompt(prompt_token_ids=list(ids), cache_salt=salt) for ids, salt in prompts]
@@ -120,13 +124,13 @@ class VLLMEngine:
                     f"{what}: request {i} (prompt of {len(prompts[i][0])} tokens) ended with "
                     f"finish_reason {getattr(comp, 'finish_reason', None)!r}"
                 )
-            positions = [_position(entry, self.topk) for entry in comp.logprobs]
+            kept = [_position(entry, self.topk) for entry in comp.logprobs[:positions]]
             results.append(
                 Generated(
                     list(comp.token_ids),
-                    [p[0] for p in positions],
-                    [p[1] for p in positions],
-                    [p[2] for p in positions],
+                    [p[0] for p in kept],
+                    [p[1] for p in kept],
+                    [p[2] for p in kept],
                     FINISH[comp.finish_reason],
                     int(out.num_cached_tokens or 0),
                     [entry[token].logprob for entry, token in zip(comp.logprobs, comp.token_ids)],
@@ -211,7 +215,7 @@ class VLLMEngine:
             self.sampling_params(r.seed, sampling.temperature, sampling.top_p, sampling.max_new_tokens)
             for r in requests
         ]
-        generated = self.submit(list(prompts), params, f"{spec.kind} batch of {len(requests)}")
+        generated = self.submit(list(prompts), params, f"{spec.kind} batch of {len(requests)}", positions=1)
         scored = {}  # once per pivot, on the row that measures its once-per-pivot channels, after the batch
         for i, req in enumerate(requests):
             start = scored_from(req, spec) if req.restep else None
