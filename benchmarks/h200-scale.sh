@@ -2,8 +2,9 @@
 # The 7B-scale measurement on a GPU machine: random-weight 7B-shape models made on the GPU, then the workflow's own
 # rules on benchmarks/configs/scale-7b.yaml, the HF engine and stock vLLM at the paper's settings first, vLLM at
 # its own H200 defaults (exact pass) last, one job on the GPU at a time; then the per-rule report. Run it from the
-# project's root with snakemake and the packages on the path, and vLLM for its columns (without vLLM, the HF
-# engine's configuration alone). On a machine without network, copy the wheels there first; set $WORK to a
+# project's root with snakemake and the packages on the path: each call runs the configurations of the engines its
+# environment has (HF always; vLLM, SGLang), so a second call from SGLang's environment on the same $WORK adds
+# SGLang's rows to the report. On a machine without network, copy the wheels there first; set $WORK to a
 # folder that outlives the session, with resources/ (the pinned wheels) linked into it:
 #   bash benchmarks/h200-scale.sh OUT_DIR [TIMEOUT_S] [CONFIG]
 # CONFIG is benchmarks/configs/scale-7b.yaml unless named (benchmarks/configs/real-1.5b.yaml: the real 1.5B, the same
@@ -20,42 +21,53 @@ if grep -q "model: shapes/" "$cfg"; then  # random-weight shapes, made on the GP
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python benchmarks/scale.py make-models "$WORK/shapes" \
         --packages "$WORK/resources/packages" || exit 1
 fi
-# the configurations of the file: *-s1024 (vLLM at its own defaults) runs its exact pass last, the others all passes
-configs() {
-    python - "$cfg" "$1" <<'PY'
+# The engines this interpreter has: the workflow refuses a configuration file naming an engine it lacks, and vLLM and
+# SGLang cannot share one environment, so each call runs the file's configurations of the engines it has (HF's in the
+# first call that reaches them), and a second call from the other engine's environment on the same $WORK runs the rest
+# (Snakemake keeps what the first finished); the report covers whatever ran.
+engines=hf
+for engine in vllm sglang; do python -c "import $engine" 2> /dev/null && engines="$engines $engine"; done
+echo "engines in this environment: $engines"
+# each call's engines and package versions, for the report (HF's jobs run in the first call's environment)
+python - "$WORK/environments.json" $engines <<'PY'
+import importlib.metadata
+import json
+import pathlib
 import sys
 
-import yaml
 
-configs = yaml.safe_load(open(sys.argv[1]))["configs"]
-print(" ".join(n for n, c in configs.items() if sys.argv[2] != "hf" or c.get("engine", "hf") == "hf"))
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+path = pathlib.Path(sys.argv[1])
+calls = json.loads(path.read_text()) if path.is_file() else []
+calls.append({"engines": sys.argv[2:], "packages": {n: version(n) for n in ("torch", "transformers", "vllm", "sglang")}})
+path.write_text(json.dumps(calls, indent=1) + "\n")
 PY
-}
-pass() { echo "results/passes/$1/$2/000.parquet"; }
-if python -c "import vllm" 2> /dev/null; then
-    first="$(for c in $(configs all); do [[ $c == *-s1024 ]] || for p in exact replica refeed; do pass "$c" $p; done; done)"
-    last="$(for c in $(configs all); do [[ $c != *-s1024 ]] || pass "$c" exact; done)"
-else
-    # the workflow refuses a configuration file naming an engine this interpreter lacks: the HF engine's alone
-    echo "vLLM is not installed for this interpreter: the HF engine's configuration only"
-    mkdir -p benchmarks/out
-    python - "$cfg" "benchmarks/out/$name-hf.yaml" <<'PY'
+mkdir -p benchmarks/out && here=benchmarks/out/$name-here.yaml
+python - "$cfg" "$here" $engines <<'PY'
 import sys
 
 import yaml
 
 config = yaml.safe_load(open(sys.argv[1]))
-config["configs"] = {name: c for name, c in config["configs"].items() if c.get("engine", "hf") == "hf"}
+config["configs"] = {n: c for n, c in config["configs"].items() if c.get("engine", "hf") in sys.argv[3:]}
 yaml.safe_dump(config, open(sys.argv[2], "w"), sort_keys=False)
 PY
-    first="$(for c in $(configs hf); do for p in exact replica refeed; do pass "$c" $p; done; done)" last=""
-    cfg=benchmarks/out/$name-hf.yaml
-fi
+configs() { python -c 'import sys, yaml; print(" ".join(yaml.safe_load(open(sys.argv[1]))["configs"]))' "$here"; }
+pass() { echo "results/passes/$1/$2/000.parquet"; }
+# *-s1024 (vLLM at its own defaults) runs its exact pass last, the others all passes
+first="$(for c in $(configs); do [[ $c == *-s1024 ]] || for p in exact replica refeed; do pass "$c" $p; done; done)"
+last="$(for c in $(configs); do [[ $c != *-s1024 ]] || pass "$c" exact; done)"
 for targets in "$first" "$last"; do
     [ -n "$targets" ] || continue
     left=$((end - SECONDS - 30))
     [ "$left" -gt 60 ] || { echo "no time left for: $targets"; break; }
-    TARGETS=$(echo $targets) bash benchmarks/h200-pipeline.sh "$cfg" "$left"
+    TARGETS=$(echo $targets) bash benchmarks/h200-pipeline.sh "$here" "$left"
 done
 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python benchmarks/scale.py report "$WORK" --configfile "$cfg" \
     --out "$out/h200-$name.json" > "$out/h200-$name.md"

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             "packages": {
                 k: v
                 for k, v in provenance.get("packages", {}).items()
-                if k in ("torch", "transformers", "vllm", "snakemake", "polars")
+                if k in ("torch", "transformers", "vllm", "sglang", "snakemake", "polars")
             },
             "rows": rows,
         }

@@ -163,7 +163,8 @@ def mean_context(run: Path, row: dict) -> float:
 
 
 def step_rows(row: dict, settings: dict, batch: int) -> int:
-    """Rows a decode step advances together: the batch (HF), or what vLLM's scheduler admits of it."""
+    """Rows a decode step advances together: the batch (HF; SGLang, taken as admitting it whole), or what vLLM's
+    scheduler admits of it."""
     return min(batch, settings["vllm"]["max_num_seqs"]) if settings["engine"] == "vllm" else batch
 
 
@@ -293,11 +294,16 @@ def report(run: Path, configfile: Path, out: Path | None, commit: str | None = N
         "commit": commit,
         "hardware": hardware(),
         "packages": {
-            name: package_version(name) for name in ("torch", "transformers", "vllm") if importlib.util.find_spec(name)
+            name: package_version(name)
+            for name in ("torch", "transformers", "vllm", "sglang")
+            if importlib.util.find_spec(name)
         },
+        # per call of benchmarks/h200-scale.sh: the engines it ran and its packages (vLLM and SGLang need two)
+        "environments": read_json(run / "environments.json") if (run / "environments.json").is_file() else None,
         "peaks": {"flops": PEAK_FLOPS, "bytes_per_s": PEAK_BYTES},
         "models": shapes,
         "vllm_settings": {c: s.get("vllm") for c, s in config["configs"].items() if s["engine"] == "vllm"},
+        "sglang_settings": {c: s.get("sglang") for c, s in config["configs"].items() if s["engine"] == "sglang"},
         "rows": rows,
         "paper_design": projection(rows, engine_of),
     }
