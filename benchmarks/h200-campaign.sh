@@ -21,6 +21,7 @@ for cfg in "$@"; do
     [ -e "$base/resources" ] && ln -sfn "$base/resources" "$WORK/resources"
     left=$((end - SECONDS - 20))
     [ "$left" -gt 30 ] || { echo "$name: no time left"; continue; }
+    rm -f "$out/$name.tgz" "$out/$name.partial.tgz" "$out/$name.reference-partial.tgz"  # an earlier call's
     echo "== $name ($left s left)"
     bash benchmarks/h200-pipeline.sh "$cfg" "$left" "$WORK/h200-pipeline.json"
     if [ -f "$WORK/results/MANIFEST.sha256" ]; then
@@ -36,7 +37,6 @@ for cfg in "$@"; do
         ls -la "$out/$name.tgz"
     else  # cut short: a partial reference folder where exact and a whole pair of draws finished, else what did
         packed="$out/$name.reference-partial.tgz"
-        rm -f "$packed"
         bash benchmarks/h200-partial.sh "$WORK" "$cfg" "$packed" "the run stopped before every pass ran" 2>&1 | tail -3
         if [ ! -f "$packed" ] && [ -d "$WORK/results/logs" ]; then  # the logs to see why, and what did finish
             parts=$(cd "$WORK" && ls -d results/logs results/pivots results/credit results/analysis \

@@ -3,8 +3,8 @@
 # rules on benchmarks/configs/scale-7b.yaml, the HF engine and stock vLLM at the paper's settings first, vLLM at
 # its own H200 defaults (exact pass) last, one job on the GPU at a time; then the per-rule report. Run it from the
 # project's root with snakemake and the packages on the path: each call runs the configurations of the engines its
-# environment has (HF always; vLLM, SGLang), so a second call from SGLang's environment on the same $WORK adds
-# SGLang's rows to the report. On a machine without network, copy the wheels there first; set $WORK to a
+# environment has (HF always; vLLM, SGLang) or ENGINES names, so a second call from SGLang's environment on the same
+# $WORK (ENGINES=sglang) adds SGLang's rows to the report. On a machine without network, copy the wheels there first; set $WORK to a
 # folder that outlives the session, with resources/ (the pinned wheels) linked into it:
 #   bash benchmarks/h200-scale.sh OUT_DIR [TIMEOUT_S] [CONFIG]
 # CONFIG is benchmarks/configs/scale-7b.yaml unless named (benchmarks/configs/real-1.5b.yaml: the real 1.5B, the same
@@ -21,15 +21,20 @@ if grep -q "model: shapes/" "$cfg"; then  # random-weight shapes, made on the GP
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python benchmarks/scale.py make-models "$WORK/shapes" \
         --packages "$WORK/resources/packages" || exit 1
 fi
-# The engines this interpreter has: the workflow refuses a configuration file naming an engine it lacks, and vLLM and
-# SGLang cannot share one environment, so each call runs the file's configurations of the engines it has (HF's in the
-# first call that reaches them), and a second call from the other engine's environment on the same $WORK runs the rest
-# (Snakemake keeps what the first finished); the report covers whatever ran.
+# The engines of this call: ENGINES (e.g. "sglang"), else every engine this interpreter has (HF always; vLLM,
+# SGLang where installed). The workflow refuses a configuration file naming an engine its interpreter lacks, and vLLM
+# and SGLang cannot share one environment, so each call runs the file's configurations of its engines, and a second
+# call from the other environment on the same $WORK (ENGINES=sglang, so that HF's jobs all run in the first call's
+# environment) adds the rest; Snakemake keeps what the first finished, and the report covers whatever ran.
 engines=hf
 for engine in vllm sglang; do python -c "import $engine" 2> /dev/null && engines="$engines $engine"; done
-echo "engines in this environment: $engines"
-# each call's engines and package versions, for the report (HF's jobs run in the first call's environment)
-python - "$WORK/environments.json" $engines <<'PY'
+engines=${ENGINES:-$engines}
+for engine in $engines; do
+    [ "$engine" = hf ] || python -c "import $engine" 2> /dev/null || { echo "ENGINES: $engine is not installed here"; exit 2; }
+done
+echo "engines of this call: $engines"
+# each call's engines and package versions, for the report
+python - "$WORK/environments.json" $engines <<'PY' || exit 1
 import importlib.metadata
 import json
 import pathlib
@@ -44,12 +49,12 @@ def version(name):
 
 
 path = pathlib.Path(sys.argv[1])
-calls = json.loads(path.read_text()) if path.is_file() else []
+calls = [c for c in json.loads(path.read_text()) if c["engines"] != sys.argv[2:]] if path.is_file() else []
 calls.append({"engines": sys.argv[2:], "packages": {n: version(n) for n in ("torch", "transformers", "vllm", "sglang")}})
 path.write_text(json.dumps(calls, indent=1) + "\n")
 PY
-mkdir -p benchmarks/out && here=benchmarks/out/$name-here.yaml
-python - "$cfg" "$here" $engines <<'PY'
+mkdir -p benchmarks/out && here=benchmarks/out/$name-${engines// /-}.yaml
+python - "$cfg" "$here" $engines <<'PY' || exit 1
 import sys
 
 import yaml

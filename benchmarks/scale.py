@@ -163,8 +163,8 @@ def mean_context(run: Path, row: dict) -> float:
 
 
 def step_rows(row: dict, settings: dict, batch: int) -> int:
-    """Rows a decode step advances together: the batch (HF; SGLang, taken as admitting it whole), or what vLLM's
-    scheduler admits of it."""
+    """Rows a decode step advances together: the batch (HF), what vLLM's scheduler admits of it, or for SGLang the
+    batch as an assumption (it logs no count; its own max_running_requests, set from its KV pool, may admit fewer)."""
     return min(batch, settings["vllm"]["max_num_seqs"]) if settings["engine"] == "vllm" else batch
 
 

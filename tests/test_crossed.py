@@ -132,10 +132,16 @@ def test_a_difference_from_a_run_without_spread_is_the_other_run_s_interval_shif
     assert (diff["ci_lo"], diff["ci_hi"]) == pytest.approx((first["ci_lo"] - 4.0, first["ci_hi"] - 4.0))
 
 
-def test_a_run_of_one_pair_has_no_difference_interval_and_says_why():
+def test_a_run_of_one_pair_has_no_difference_interval_and_says_which_run_and_why():
     one_pair = crossed_interval(np.array([[1.0], [2.0]]), np.array([[4.0], [4.0]]), 0.95)
-    diff = crossed_difference(one_pair, {"estimate": 1.0, "se": 0.5, "df": 9.0}, 0.95)
-    assert diff["estimate"] is None and "2 pairs" in diff["reason"]
+    diff = crossed_difference({"estimate": 1.0, "se": 0.5, "df": 9.0}, one_pair, 0.95)
+    assert diff["estimate"] == pytest.approx(1.0 - 3.0 / 8.0) and diff["ci_lo"] is None
+    assert "second run's" in diff["reason"] and "2 pairs" in diff["reason"] and diff["resolved"] is None
+
+
+def test_a_difference_refuses_an_impossible_interval_naming_the_run_and_values():
+    with pytest.raises(ValueError, match="first run's crossed interval has se -1.0 and df 3.0"):
+        crossed_difference({"estimate": 1.0, "se": -1.0, "df": 3.0}, {"estimate": 0.0, "se": 1.0, "df": 3.0}, 0.95)
 
 
 def _two_pair_table() -> tuple[np.ndarray, np.ndarray]:

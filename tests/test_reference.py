@@ -16,7 +16,7 @@ import polars as pl
 import pytest
 from helpers import analysis_settings
 
-from replaynoise.analysis.comparison import compare_passes
+from replaynoise.analysis.comparison import _null_numbers, compare_passes
 from replaynoise.io import read_manifest, write_json
 from replaynoise.partials import whole_pairs
 from replaynoise.power import main as power_main
@@ -476,3 +476,27 @@ def test_a_contrast_refuses_a_folder_of_one_draw_per_pass_and_one_of_several_con
         shutil.copytree(replicated / "analysis" / "qwen2.5-coder-0.5b-vllm", several / "analysis" / config)
     assert main(["contrast", str(tmp_path / "b.md"), str(several), str(replicated)]) != 0
     assert "x, y" in capsys.readouterr().err
+
+
+def test_a_contrast_notes_why_a_cell_has_no_interval_and_refuses_an_unavailable_comparison(tmp_path, capsys):
+    """A folder whose pairs had too few eligible pivots (the comparison nulls its numbers and says why): the
+    contrast keeps its row, says n/a and writes the run's note; one whose pairs could not be compared is refused
+    with the comparison's reason."""
+    replicated = GPU.parent / "gpu-vllm" / "ladder" / "qwen-0.5b"
+    name = "qwen2.5-coder-0.5b-vllm"
+    comparison = json.loads((replicated / "analysis" / name / "comparison.json").read_text())
+    block = comparison["conditionings"]["main"]["replicated"]
+    comparison["conditionings"]["main"]["replicated"] = {
+        **_null_numbers(block),
+        "note": "too few eligible pivots in a pair's set (n=3 < min_eligible=30)",
+    }
+    thin = tmp_path / "thin"
+    write(thin / "analysis" / name / "comparison.json", json.dumps(comparison))
+    assert main(["contrast", str(tmp_path / "c.md"), str(thin), str(replicated)]) == 0
+    text = (tmp_path / "c.md").read_text()
+    assert "| main | n/a (3, None) |" in text and "- main: too few eligible pivots" in text
+    assert "no crossed interval in the first run's" in text
+    comparison["conditionings"]["main"]["replicated"] = {"available": False, "reason": "no refeed_replica column"}
+    write(thin / "analysis" / name / "comparison.json", json.dumps(comparison))
+    assert main(["contrast", str(tmp_path / "d.md"), str(thin), str(replicated)]) == 2
+    assert "no replicated comparison (no refeed_replica column)" in capsys.readouterr().err

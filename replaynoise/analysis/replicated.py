@@ -198,24 +198,33 @@ def _resolved(stat: dict) -> bool | None:
 
 
 def crossed_difference(a: dict, b: dict, ci: float) -> dict[str, Any]:
-    """``a - b`` of two runs' crossed intervals (``crossed_interval``), with a Welch-Satterthwaite interval: the
-    runs' draws are independent, but runs over one problem list share their problems, whose effects this takes as
-    independent too: where they go together (a problem hard for one engine is hard for the other) the interval is
-    conservative, wider than a joint model's."""
-    if any(x.get("se") is None or x.get("df") is None for x in (a, b)):
-        return {"estimate": None, "reason": "a run without a crossed interval (fewer than 2 problems or 2 pairs)"}
-    estimate = a["estimate"] - b["estimate"]
+    """``a - b`` of two runs' crossed intervals (``crossed_interval``), with a Welch-Satterthwaite interval. It takes
+    the runs as independent: their draws are, but runs over one problem list share their problems, and where the
+    problems' excesses go together across the runs a joint model's interval would be narrower (wider where they go
+    against each other). A run without a crossed interval gives the difference of the estimates alone, with why."""
+    out: dict[str, Any] = {"estimate": None, "ci_lo": None, "ci_hi": None, "se": None, "df": None, "resolved": None}
+    if a.get("estimate") is not None and b.get("estimate") is not None:
+        out["estimate"] = json_number(a["estimate"] - b["estimate"])
+    missing = [
+        f"the {side} run's ({x.get('reason') or 'no standard error or degrees of freedom'})"
+        for side, x in (("first", a), ("second", b))
+        if x.get("se") is None or x.get("df") is None
+    ]
+    if missing:
+        return {**out, "reason": "no crossed interval in " + " and ".join(missing)}
+    for side, x in (("first", a), ("second", b)):
+        if x["se"] < 0 or x["df"] <= 0:
+            raise ValueError(f"the {side} run's crossed interval has se {x['se']} and df {x['df']}: se >= 0, df > 0")
     variance = a["se"] ** 2 + b["se"] ** 2
     spread = a["se"] ** 4 / a["df"] + b["se"] ** 4 / b["df"]
     df = variance**2 / spread if spread > 0 else math.inf
     half = float(sps.t.ppf(0.5 + ci / 2, df)) * math.sqrt(variance)
-    out = {
-        "estimate": json_number(estimate),
-        "se": json_number(math.sqrt(variance)),
-        "df": json_number(df),
-        "ci_lo": json_number(estimate - half),
-        "ci_hi": json_number(estimate + half),
-    }
+    out.update(
+        se=json_number(math.sqrt(variance)),
+        df=json_number(df),
+        ci_lo=json_number(out["estimate"] - half),
+        ci_hi=json_number(out["estimate"] + half),
+    )
     return {**out, "resolved": _resolved(out)}
 
 

@@ -3,8 +3,7 @@
 Each run's headline table gives its excess with an interval; whether two runs differ is a third statistic, and
 reading it off two intervals by eye is the error this module exists to prevent. It takes the crossed (problems x
 pass draws) excess of each folder's one configuration and writes their difference with a Welch-Satterthwaite
-interval (``analysis.replicated.crossed_difference``): conservative where the runs share problems whose effects go
-together.
+interval (``analysis.replicated.crossed_difference``), which takes the runs as independent.
 """
 
 from __future__ import annotations
@@ -28,13 +27,19 @@ def folder_comparison(folder: Path) -> tuple[str, dict]:
 
 
 def replicated_excess(comparison: dict, conditioning: str, where: str) -> dict:
-    """The excess block (crossed and problem-only) of a comparison's replicated pairs under one conditioning."""
+    """The excess block (crossed and problem-only) of a comparison's replicated pairs under one conditioning, with
+    the pairs' count and the note that says why a block's numbers are empty (too few eligible pivots)."""
+    if conditioning not in comparison["conditionings"]:
+        raise ValueError(f"{where}: no conditioning {conditioning!r} in the comparison")
     replicated = comparison["conditionings"][conditioning].get("replicated")
     if not replicated:
         raise ValueError(
             f"{where}: one draw per pass, so no interval over pass draws to contrast (run replay.replicates >= 2)"
         )
-    return replicated["by_metric"][comparison["metric"]]["excess_pp"] | {"n_pairs": replicated["n_pairs"]}
+    if not replicated.get("available"):
+        raise ValueError(f"{where}: no replicated comparison ({replicated.get('reason')})")
+    excess = replicated["by_metric"][comparison["metric"]]["excess_pp"]
+    return excess | {"n_pairs": len(replicated["draws"]), "note": replicated.get("note")}
 
 
 def _interval(stat: dict) -> str:
@@ -43,8 +48,16 @@ def _interval(stat: dict) -> str:
     return f"{stat['estimate']:+.1f} [{stat['ci_lo']:+.1f}, {stat['ci_hi']:+.1f}]"
 
 
+def _row(conditioning: str, excesses: tuple[dict, dict], diff: dict) -> str:
+    cells = [f"{_interval(e['crossed'])} ({e['n_pairs']}, {e['crossed']['n_problems']})" for e in excesses]
+    df = f"{diff['df']:.1f}" if diff.get("df") is not None else "n/a"
+    resolved = {True: "yes", False: "no", None: "n/a"}[diff.get("resolved")]
+    return f"| {conditioning} | {cells[0]} | {cells[1]} | {_interval(diff)} | {df} | {resolved} |"
+
+
 def contrast_lines(first: Path, second: Path) -> list[str]:
-    """A markdown table of the two folders' excesses and their difference (first - second), per conditioning."""
+    """A markdown table of the two folders' excesses and their difference (first - second), per conditioning, and
+    a note for each cell that has no interval."""
     (name_a, a), (name_b, b) = folder_comparison(first), folder_comparison(second)
     ci = a["parameters"]["ci"]
     if a["metric"] != b["metric"]:
@@ -57,19 +70,18 @@ def contrast_lines(first: Path, second: Path) -> list[str]:
         f"Written by `python -m replaynoise.reference contrast OUT {first} {second}` from the two folders'",
         f"`analysis/*/comparison.json`; metric {a['metric']}; {ci:.0%} intervals over problems and pass draws",
         "(crossed model, docs/method.md section 4). The difference's interval is Welch-Satterthwaite: it takes the two",
-        "runs as independent, so where their problem effects go together (one problem list) it is wider than a joint",
-        "model's.",
+        "runs as independent, although runs over one problem list share their problems (a joint model would let the",
+        "problems' excesses correlate across the runs).",
         "",
         "| conditioning | first: excess pp (pairs, problems) | second: excess pp (pairs, problems) "
         "| difference pp | df | resolved |",
         "|---|---:|---:|---:|---:|---|",
     ]
+    notes = []
     for conditioning in CONTRASTED:
         ea = replicated_excess(a, conditioning, f"{first}, {conditioning}")
         eb = replicated_excess(b, conditioning, f"{second}, {conditioning}")
         diff = crossed_difference(ea["crossed"], eb["crossed"], ci)
-        cells = [f"{_interval(e['crossed'])} ({e['n_pairs']}, {e['crossed']['n_problems']})" for e in (ea, eb)]
-        df = f"{diff['df']:.1f}" if diff.get("df") is not None else "n/a"
-        resolved = {True: "yes", False: "no", None: "n/a"}[diff.get("resolved")]
-        lines.append(f"| {conditioning} | {cells[0]} | {cells[1]} | {_interval(diff)} | {df} | {resolved} |")
-    return lines
+        lines.append(_row(conditioning, (ea, eb), diff))
+        notes += [f"- {conditioning}: {text}" for text in (ea["note"], eb["note"], diff.get("reason")) if text]
+    return lines + (["", *notes] if notes else [])
