@@ -130,7 +130,7 @@ class SGLangEngine:
     ) -> list[Generated]:
         """Submit prompts (ids, cache salt) together, as one co-scheduled batch; engine errors propagate. Only the
         first ``positions`` steps' top-k are kept (None: all, as rollouts need; a continuation reads its first step's
-        alone, and building each step's costs about 5 us: 5 s of a 0.5B pass's 1.1 M tokens)."""
+        alone, and building each step's is Python work for every generated token)."""
         with self.phases("SGLang generate"):
             outputs = self.engine.generate(
                 input_ids=[ids for ids, _ in prompts],
