@@ -20,14 +20,16 @@ mkdir -p "$out"
 # processes (replaynoise/engines/sglang/launch.py, children_import_plugin), as the runs of 2026-12-06 had it.
 ep=/root/replaynoise-ep/replaynoise-0.1.0.dist-info
 rm -rf "$ep"
-[ "${ENTRY_POINT:-1}" = 0 ] || { mkdir -p "$ep" && printf 'Metadata-Version: 2.1\nName: replaynoise\nVersion: 0.1.0\n' > "$ep/METADATA"; }
-[ "${ENTRY_POINT:-1}" = 0 ] || python - "$ep/entry_points.txt" <<'EOF'
+if [ "${ENTRY_POINT:-1}" != 0 ]; then
+    mkdir -p "$ep" && printf 'Metadata-Version: 2.1\nName: replaynoise\nVersion: 0.1.0\n' > "$ep/METADATA"
+    python - "$ep/entry_points.txt" <<'EOF'
 import sys, tomllib
 eps = tomllib.load(open("pyproject.toml", "rb"))["project"]["entry-points"]
 with open(sys.argv[1], "w") as f:
     for group, entries in eps.items():
         f.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()) + "\n")
 EOF
+fi
 export PYTHONPATH=/root/replaynoise-ep:${PYTHONPATH:-}
 [ -e resources ] || ln -s "${WORK:-/root/work}/resources" resources
 if [ "$what" = listed ]; then

@@ -3,8 +3,10 @@
 `python -m replaynoise.reference partial RESULTS CAMPAIGN FOLDER` copies the per-pivot credit tables, pivots,
 problems, logs and timings, compares exact with the whole pairs of draws that finished (exact with replica draw r and
 refeed draw r, for r = 1 .. R) and writes its headline tables, ``partial.json`` (the configuration, and which passes
-ran and which the comparison uses) and a manifest. ``reference.rebuild`` recomputes such a folder as it does a
-finished one; what needs the replayed rows (the channels, the cache counts, the prefix mismatch) is not there.
+ran and which the comparison uses) and a manifest. It also keeps each gathered pass's rows, in the columns
+``ROW_COLUMNS`` names (ids, verification, cache hits, answers, the first step's digest; tokens and log-probs left out
+for size), which cache counts and first-step shares are computed from. ``reference.rebuild`` recomputes such a folder
+as it does a finished one; what needs the rows' tokens or log-probs (the channels, the prefix mismatch) is not there.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import yaml
 from replaynoise.analysis.comparison import compare_passes
 from replaynoise.config import analysis_hash, validate_config
 from replaynoise.generation.passes import replicate_pairs, run_passes
-from replaynoise.io import read_json, read_parquet, write_json
+from replaynoise.io import read_json, read_parquet, write_json, write_parquet
 from replaynoise.provenance import write_manifest
 from replaynoise.report.headline import headline_rows
 from replaynoise.report.tables import write_headline_tables
@@ -27,6 +29,26 @@ from replaynoise.snapshots import check_destination
 PARTIAL_FILE = "partial.json"
 #: what a cut-short run's results keep in a partial reference folder (``partial``), as far as the run made them
 PARTIAL_PARTS = ("credit", "pivots", "problems", "logs", "benchmarks")
+#: the columns of a pass's rows (``replay``'s row schema) that a partial folder keeps, in rows/<configuration>/
+ROW_COLUMNS = (
+    "pivot_id",
+    "problem_id",
+    "branch",
+    "k",
+    "seed",
+    "batch_id",
+    "prefix_source",
+    "verified",
+    "prefix_len",
+    "answer",
+    "correct",
+    "finish_reason",
+    "n_tokens",
+    "next_digest",
+    "cached_tokens",
+    "expected_cached_tokens",
+    "tail_tokens",
+)
 
 
 def whole_pairs(present: list[str]) -> list[str]:
@@ -56,8 +78,8 @@ def rebuild_partial(reference: Path, out: Path) -> list[Path]:
 
 def partial(results: Path, campaign: Path, reference: Path, note: str = "") -> list[Path]:
     """Keep a cut-short run of ``campaign`` (its one configuration) from ``results`` as the partial reference folder
-    ``reference``: what finished (``PARTIAL_PARTS``), ``partial.json``, the comparison of the whole pairs of draws,
-    its tables and a manifest. Returns the files written."""
+    ``reference``: what finished (``PARTIAL_PARTS``, the passes' rows in ``ROW_COLUMNS``), ``partial.json``, the
+    comparison of the whole pairs of draws, its tables and a manifest. Returns the files written."""
     results, reference = Path(results), Path(reference)
     config = validate_config(yaml.safe_load(Path(campaign).read_text()))
     if len(config["configs"]) != 1:
@@ -74,6 +96,11 @@ def partial(results: Path, campaign: Path, reference: Path, note: str = "") -> l
     for part in PARTIAL_PARTS:
         if (results / part).is_dir():
             shutil.copytree(results / part, reference / part)
+    for gathered in sorted((results / "passes" / name).glob("*.parquet")):
+        rows = read_parquet(gathered)
+        write_parquet(
+            rows.select([c for c in ROW_COLUMNS if c in rows.columns]), reference / "rows" / name / gathered.name
+        )
     record = {
         "campaign": Path(campaign).as_posix(),
         "configuration": name,

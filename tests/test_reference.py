@@ -393,6 +393,10 @@ def test_a_run_cut_short_keeps_its_whole_pairs_of_draws_and_agrees_with_the_fini
     (results / "credit" / name).mkdir(parents=True)
     for done in ("exact", "replica", "refeed", "replica_r2"):
         shutil.copy(full / "credit" / name / f"{done}.parquet", results / "credit" / name)
+    rows = pl.DataFrame({"pivot_id": ["p0"], "cached_tokens": [7], "token_ids": [[1, 2]]})
+    gathered = results / "passes" / name / "exact.parquet"
+    gathered.parent.mkdir(parents=True)
+    rows.write_parquet(gathered)
     campaign = tmp_path / "qwen-1.5b.yaml"
     campaign.write_text(json.dumps(json.loads((full / "provenance.json").read_text())["config"]))
     out = tmp_path / "kept"
@@ -400,6 +404,9 @@ def test_a_run_cut_short_keeps_its_whole_pairs_of_draws_and_agrees_with_the_fini
     record = json.loads((out / "partial.json").read_text())
     assert record["passes_run"] == ["exact", "replica", "replica_r2", "refeed"]
     assert record["passes_compared"] == ["exact", "replica", "refeed"]
+    kept_rows = pl.read_parquet(out / "rows" / name / "exact.parquet")  # the kept columns alone, checksummed
+    assert kept_rows.columns == ["pivot_id", "cached_tokens"] and kept_rows["cached_tokens"].to_list() == [7]
+    assert f"rows/{name}/exact.parquet" in (out / "MANIFEST.sha256").read_text()
     kept, finished = (
         json.loads((folder / "analysis" / name / "comparison.json").read_text())["conditionings"]["main"]
         for folder in (out, full)
