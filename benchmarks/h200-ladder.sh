@@ -14,7 +14,7 @@
 # call), staged as docs/vllm.md says, with an OUT_DIR other than the lent machine's $OUT (/root/out there, emptied at
 # the start of every call); rerun with the same arguments to resume, or to pack a finished run's archives again.
 set -uo pipefail
-out=$1 limit=$2 pair=$3
+out=$(realpath -m "$1") limit=$2 pair=$3  # OUT_DIR as the caller named it, before the cd below
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 gib=$((mib / 1024))
 ladder=config/campaigns/gpu-vllm/ladder

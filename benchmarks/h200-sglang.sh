@@ -12,7 +12,7 @@
 # with the same arguments to resume. Leaves OUT_DIR/gpu-tests.log and, per campaign file, what
 # benchmarks/h200-campaign.sh leaves.
 set -uo pipefail
-out=$1 limit=$2 what=${3:-both}
+out=$(realpath -m "$1") limit=$2 what=${3:-both}  # OUT_DIR as the caller named it, before the cd
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 # replaynoise is on PYTHONPATH here, not installed: its SGLang plugin's entry point (pyproject.toml) is written as an

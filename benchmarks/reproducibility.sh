@@ -7,8 +7,8 @@
 # cache (resources/packages), so nothing is downloaded twice. Prints the wall time of each run and either
 # "identical: N files" (exit 0) or the differing lines (exit 1).
 set -euo pipefail
+scratch=$(realpath -m "${1:-$(mktemp -d)}")  # as the caller named it, before the cd
 cd "$(dirname "$0")/.."
-scratch=${1:-$(mktemp -d)}
 shift || true
 mkdir -p resources/packages
 for run in a b; do
