@@ -4,8 +4,8 @@
 # its own H200 defaults (exact pass) last, one job on the GPU at a time; then the per-rule report. Run it from the
 # project's root with snakemake and the packages on the path: each call runs the configurations of the engines its
 # environment has (HF always; vLLM, SGLang) or ENGINES names, so a second call from SGLang's environment on the same
-# $WORK (ENGINES=sglang) adds SGLang's rows to the report. On a machine without network, copy the wheels there first; set $WORK to a
-# folder that outlives the session, with resources/ (the pinned wheels) linked into it:
+# $WORK (ENGINES=sglang) adds SGLang's rows to the report. On a machine without network, copy the wheels there
+# first; set $WORK to a folder that outlives the session, with resources/ (the pinned wheels) linked into it:
 #   bash benchmarks/h200-scale.sh OUT_DIR [TIMEOUT_S] [CONFIG]
 # CONFIG is benchmarks/configs/scale-7b.yaml unless named (benchmarks/configs/real-1.5b.yaml: the real 1.5B, the same
 # design). Interrupted by TIMEOUT_S, a second call resumes (the models are kept, Snakemake keeps finished jobs, the
@@ -26,12 +26,11 @@ fi
 # and SGLang cannot share one environment, so each call runs the file's configurations of its engines, and a second
 # call from the other environment on the same $WORK (ENGINES=sglang, so that HF's jobs all run in the first call's
 # environment) adds the rest; Snakemake keeps what the first finished, and the report covers whatever ran.
+installed() { [ "$1" = hf ] || python -c "import $1" 2> /dev/null; }
 engines=hf
-for engine in vllm sglang; do python -c "import $engine" 2> /dev/null && engines="$engines $engine"; done
+for engine in vllm sglang; do installed $engine && engines="$engines $engine"; done
 engines=${ENGINES:-$engines}
-for engine in $engines; do
-    [ "$engine" = hf ] || python -c "import $engine" 2> /dev/null || { echo "ENGINES: $engine is not installed here"; exit 2; }
-done
+for engine in $engines; do installed "$engine" || { echo "ENGINES: $engine is not installed here"; exit 2; }; done
 echo "engines of this call: $engines"
 # each call's engines and package versions, for the report
 python - "$WORK/environments.json" $engines <<'PY' || exit 1

@@ -65,11 +65,10 @@ from replaynoise.snapshots import (
     table_differences,
 )
 
-#: How far a rebuilt number may move from the committed one and still be the same result: floating-point drift
-#: of another CPU's kernels, while a real difference (a pivot, a degree of freedom) moves a number by far more.
-#: Mostly last bits (1e-15), but an ill-conditioned fit magnifies them: on an AVX2 EPYC (Zen 3) the near-separated
-#: logit of reference/gpu-vllm/ladder/smollm2 (a slope of 88 log-odds per SD) rebuilt with its p 2.7e-9 apart (a p
-#: moves by about z^2 times its z), the largest drift of any folder there, where 1e-9 failed the folder
+#: How far a rebuilt number may move from the committed one and still be the same result (a real difference moves it
+#: far more): another CPU's kernels move mostly last bits (1e-15), but an ill-conditioned fit magnifies them. On an
+#: AVX2 EPYC (Zen 3) the near-separated logit of reference/gpu-vllm/ladder/smollm2 (88 log-odds per SD) rebuilt with
+#: its p 2.7e-9 apart (a p moves by about z^2 times its z): the largest drift of any folder there; 1e-9 failed it
 DRIFT_TOLERANCE = 1e-7
 #: comparison.json entries computed from the replayed rows (the prefix mismatch from every prefix token's two
 #: log-probs), which a reference folder does not hold
@@ -183,8 +182,7 @@ def reanalyze(reference: Path, commit: str | None) -> list[str]:
             if rel.startswith("figures/") and target.is_file():
                 figures_drawn.append((rel, path))  # redrawn only where a number changed (matplotlib moves bytes)
                 continue
-            drift = float_drift(target, path) if target.is_file() and path.suffix in (".json", ".csv") else None
-            if drift is None or drift > DRIFT_TOLERANCE:  # this CPU's float drift keeps the run's own file
+            if drift_only(target, path) is None:  # this CPU's float drift keeps the run's own file
                 changed.append(rel)
         if changed:
             changed += [rel for rel, _ in figures_drawn]
@@ -258,6 +256,15 @@ def float_drift(reference_file: Path, rebuilt_file: Path) -> float | None:
     return worst
 
 
+def drift_only(committed: Path, rebuilt: Path) -> float | None:
+    """The float drift of a rebuilt JSON or CSV file from its committed one where it is within ``DRIFT_TOLERANCE``
+    (the same result); None where the committed file is absent, is of another kind, or differs by more."""
+    if not committed.is_file() or rebuilt.suffix not in (".json", ".csv"):
+        return None
+    drift = float_drift(committed, rebuilt)
+    return drift if drift is not None and drift <= DRIFT_TOLERANCE else None
+
+
 def check_rebuild(reference: Path, out: Path, written: list[Path], report=None) -> bool:
     """Each rebuilt file against the reference manifest (and the committed credit tables against it too,
     since the rebuild rests on them); prints what differs, table cells included. True if every number agrees
@@ -285,8 +292,8 @@ def check_rebuild(reference: Path, out: Path, written: list[Path], report=None) 
     failed = False
     for rel, path in differing:
         committed = Path(reference) / rel
-        drift = float_drift(committed, path) if committed.is_file() and path.suffix in (".json", ".csv") else None
-        if drift is not None and drift <= DRIFT_TOLERANCE:
+        drift = drift_only(committed, path)
+        if drift is not None:
             print(f"  float drift only (largest relative difference {drift:.1e}): {rel}", file=report)
             continue
         figure = rel.startswith("figures/")
