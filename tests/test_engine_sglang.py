@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
+import logging
 import random
 import runpy
 import subprocess
@@ -402,6 +403,34 @@ def test_what_sglang_made_of_the_settings_is_checked_once_built():
         checked_server_args(SimpleNamespace(**{**built.__dict__, "disable_radix_cache": True}), settings)
     with pytest.raises(EngineError, match="chose the 'flashinfer' sampler, which draws no request from its own seed"):
         checked_server_args(SimpleNamespace(**{**built.__dict__, "sampling_backend": "flashinfer"}), settings)
+
+
+def test_the_decode_graphs_bound_sglang_chose_is_logged(caplog):
+    settings = validate_config(sglang_config())["configs"]["s"]
+    graphs = SimpleNamespace(decode=SimpleNamespace(max_bs=256))  # SGLang 0.5.16's on an H100
+    built = SimpleNamespace(disable_radix_cache=False, page_size=1, sampling_backend="pytorch")
+    built.disable_cuda_graph, built.cuda_graph_config = False, graphs
+    with caplog.at_level(logging.INFO, logger="replaynoise.engines.sglang.launch"):
+        checked_server_args(built, settings)
+        checked_server_args(SimpleNamespace(**{**built.__dict__, "disable_cuda_graph": True}), settings)
+    assert [r.getMessage() for r in caplog.records] == [
+        "SGLang captures decode CUDA graphs for batches of up to 256 rows (sglang.cuda_graph_max_bs_decode); larger "
+        "batches decode without them"
+    ]
+
+
+def test_the_decode_graphs_bound_is_absent_unless_given_and_then_reaches_the_engine():
+    """Absent, SGLang chooses and no earlier run's hash moves; given, it is passed on and enters the hash."""
+    base = validate_config(sglang_config(kernels="stock"))
+    assert "cuda_graph_max_bs_decode" not in base["configs"]["s"]["sglang"]
+    assert "cuda_graph_max_bs_decode" not in engine_kwargs(base["configs"]["s"])
+    given = validate_config(sglang_config(kernels="stock", sglang={"cuda_graph_max_bs_decode": 1024}))
+    assert engine_kwargs(given["configs"]["s"])["cuda_graph_max_bs_decode"] == 1024
+    assert analysis_hash(given) != analysis_hash(base)
+    with pytest.raises(ConfigError, match=r"configs\.s\.sglang\.cuda_graph_max_bs_decode"):
+        validate_config(sglang_config(sglang={"cuda_graph_max_bs_decode": 0}))
+    with pytest.raises(ConfigError, match=r"configs\.s\.sglang\.cuda_graph_max_bs_decode"):
+        validate_config(sglang_config(sglang={"cuda_graph_max_bs_decode": None}))
 
 
 def test_transplants_are_refused_by_the_engine_too(stored):

@@ -55,13 +55,14 @@ from replaynoise.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
-#: ``sglang`` block keys passed to ``sglang.Engine`` as they are (None: SGLang's default, so not passed)
+#: ``sglang`` block keys passed to ``sglang.Engine`` as they are (None or absent: SGLang's default, so not passed)
 ENGINE_KEYS = (
     "attention_backend",
     "mem_fraction_static",
     "max_running_requests",
     "chunked_prefill_size",
     "disable_cuda_graph",
+    "cuda_graph_max_bs_decode",
     "disable_radix_cache",
     "page_size",
     "context_length",
