@@ -79,6 +79,14 @@ def test_the_roofline_fractions_follow_from_the_logged_decode(tmp_path):
     assert got["compute_fraction"] == pytest.approx(2048 * 400 / 40 * flop / scale.PEAK_FLOPS)
     floor = (costs["weight_bytes"] + 1024 * 300 * costs["kv_bytes_per_token"]) / scale.PEAK_BYTES
     assert got["memory_fraction"] == pytest.approx(floor / 0.05)
+    row.update(roofline=got, tokens_per_s=2048 * 400 / 50, fixed_cost={"seconds": 9.0})
+    shown = scale.table([row], "NVIDIA H100 80GB HBM3").splitlines()
+    fractions = f"{got['compute_fraction']:.0%} | {got['memory_fraction']:.0%}"
+    assert shown[2] == f"| replay_exact | c | 2048 | 19,980 | 16,384 | 50.0 (1024) | {fractions} | 9.0 |"
+    assert shown[-1] == (
+        "compute, memory: fractions of the H200's measured peaks (790 TFLOP/s, 4.8 TB/s) whatever the card; this "
+        "run's card: NVIDIA H100 80GB HBM3"
+    )
 
 
 def test_the_suite_timeline_pairs_each_test_s_start_and_end_per_worker(tmp_path, monkeypatch):
