@@ -17,8 +17,9 @@ import pytest
 from helpers import analysis_settings
 
 from replaynoise.analysis.comparison import _null_numbers, compare_passes
+from replaynoise.generation.replay import PASS_SCHEMA
 from replaynoise.io import read_manifest, write_json
-from replaynoise.partials import whole_pairs
+from replaynoise.partials import ROW_COLUMNS, whole_pairs
 from replaynoise.power import main as power_main
 from replaynoise.provenance import verify_manifest
 from replaynoise.reference import DRIFT_TOLERANCE, channel_data, float_drift, main
@@ -392,6 +393,13 @@ def test_power_planning_reads_a_pilot_s_components_and_refuses_a_pilot_of_one_dr
 
 
 LADDER = GPU.parent / "gpu-vllm" / "ladder"
+
+
+def test_a_partial_folder_keeps_columns_the_passes_write():
+    """``ROW_COLUMNS`` names pass columns by hand and ``partial`` keeps those a pass file has: a column renamed in
+    the pass schema would otherwise drop out of every partial folder unseen."""
+    assert set(ROW_COLUMNS) <= set(PASS_SCHEMA)
+    assert {"verified", "cached_tokens", "expected_cached_tokens", "next_digest"} <= set(ROW_COLUMNS)
 
 
 def test_a_run_cut_short_keeps_its_whole_pairs_of_draws_and_agrees_with_the_finished_run(tmp_path, capsys):

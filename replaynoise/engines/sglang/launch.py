@@ -115,7 +115,7 @@ def checked_server_args(server_args: Any, settings: dict) -> int:
         )
     decode = getattr(getattr(server_args, "cuda_graph_config", None), "decode", None)
     rows = getattr(decode, "max_bs", None)
-    if rows is not None and not getattr(server_args, "disable_cuda_graph", False):
+    if rows is not None and not server_args.disable_cuda_graph:
         # a pass batch above it decodes without graphs (issue 55's lease: 1,024 rows against SGLang's 256)
         log.info(
             "SGLang captures decode CUDA graphs for batches of up to %d rows (sglang.cuda_graph_max_bs_decode); "
