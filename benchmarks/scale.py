@@ -163,9 +163,12 @@ def mean_context(run: Path, row: dict) -> float:
 
 
 def step_rows(row: dict, settings: dict, batch: int) -> int:
-    """Rows a decode step advances together: the batch (HF), what vLLM's scheduler admits of it, or for SGLang the
-    batch as an assumption (it logs no count; its own max_running_requests, set from its KV pool, may admit fewer)."""
-    return min(batch, settings["vllm"]["max_num_seqs"]) if settings["engine"] == "vllm" else batch
+    """Rows a decode step advances together: the batch (HF; at most its static_rows where given), what vLLM's
+    scheduler admits of it, or for SGLang the batch as an assumption (it logs no count; its own
+    max_running_requests, set from its KV pool, may admit fewer)."""
+    if settings["engine"] == "vllm":
+        return min(batch, settings["vllm"]["max_num_seqs"])
+    return min(batch, settings.get("static_rows") or batch)
 
 
 def roofline(run: Path, row: dict, config: dict, costs: dict) -> dict:
@@ -224,7 +227,7 @@ def fixed_cost(row: dict) -> dict:
 
 def projection(
     rows: list[dict],
-    engine_of: dict,
+    engine_of: dict[str, str],
     pivots: int = 3434,
     per_rollout: int = 5,
     k: int = 4,
@@ -232,11 +235,12 @@ def projection(
     continuation: int = 400,
     passes: int = 3,
 ) -> dict:
-    """GPU minutes for the paper's whole design at each engine's measured loop rates (every continuation at its
-    budget), plus each job's measured fixed cost once per job of one shard."""
+    """GPU minutes for the paper's whole design at each configuration's measured loop rates (every continuation at
+    its budget), plus each job's measured fixed cost once per job of one shard. Per configuration, not per engine:
+    two configurations of one engine (vLLM at two batch sizes, HF with and without static_rows) are two answers."""
     out = {}
-    for engine in sorted(set(engine_of.values())):
-        mine = [r for r in rows if engine_of[r["config"]] == engine and r["loop_tokens_per_s"]]
+    for name, engine in sorted(engine_of.items()):
+        mine = [r for r in rows if r["config"] == name and r["loop_tokens_per_s"]]
         rollout = [r for r in mine if r["rule"] == "generate_rollouts"]
         replay = [r for r in mine if r["rule"] != "generate_rollouts"]
         if not rollout or not replay:
@@ -248,7 +252,8 @@ def projection(
             + fixed(rollout)
             + passes * (pivots * 2 * k * continuation / rate(replay) + fixed(replay))
         )
-        out[engine] = {
+        out[name] = {
+            "engine": engine,
             "gpu_minutes": seconds / 60,
             "rollout_tokens_per_s": rate(rollout),
             "pass_tokens_per_s": rate(replay),
@@ -262,7 +267,7 @@ def projection(
             "continuation": continuation,
             "passes": passes,
         },
-        "engines": out,
+        "configs": out,
     }
 
 
@@ -308,6 +313,7 @@ def report(run: Path, configfile: Path, out: Path | None, commit: str | None = N
         "paper_design": projection(rows, engine_of),
     }
     print(table(rows, ", ".join(record["hardware"].get("cuda") or []) or "no GPU"))
+    print(projection_table(record["paper_design"]))
     if out:
         write_json(record, out)
         print(f"wrote {out}", file=sys.stderr)
@@ -338,6 +344,23 @@ def table(rows: list[dict], card: str) -> str:
         f"\ncompute, memory: fractions of the H200's measured peaks ({PEAK_FLOPS / 1e12:.0f} TFLOP/s, "
         f"{PEAK_BYTES / 1e12:.1f} TB/s) whatever the card; this run's card: {card}"
     )
+    return "\n".join(lines)
+
+
+def projection_table(design: dict) -> str:
+    """The paper's whole design per configuration, as ``projection`` projects it."""
+    d = design["design"]
+    lines = [
+        f"\nThe paper's design ({d['pivots']:,} pivots, {d['rollouts']} rollouts of {d['trunk']} tokens, K = {d['k']}, "
+        f"{d['continuation']}-token continuations, {d['passes']} passes) at each configuration's loop rates:\n",
+        "| config | engine | rollout tok/s | pass tok/s | GPU-minutes |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name, c in design["configs"].items():
+        lines.append(
+            f"| {name} | {c['engine']} | {c['rollout_tokens_per_s']:,.0f} | {c['pass_tokens_per_s']:,.0f} | "
+            f"{c['gpu_minutes']:.1f} |"
+        )
     return "\n".join(lines)
 
 

@@ -56,6 +56,22 @@ def gpu_reservation_gib(settings: Mapping) -> int:
     return int(-(-(settings["kv_cache_gib"] + GPU_HEADROOM_GIB) // 1))
 
 
+#: configuration keys that only the HF engine reads (absent unless given): another engine refuses them
+HF_ONLY_KEYS = ("static_rows",)
+#: configuration keys that only the passes read (the rollouts' step is not given them, so a change reruns the passes)
+PASS_ONLY_KEYS = ("static_rows",)
+
+
+def refuse_hf_only_keys(name: str, settings: Mapping) -> None:
+    """Another engine's configuration that gives a key only the HF engine reads, which would change nothing."""
+    for key in HF_ONLY_KEYS:
+        if key in settings:
+            raise ConfigError(
+                f"config key configs.{name}.{key}: read by the HF engine alone, and this configuration runs "
+                f"engine {settings['engine']}; remove it"
+            )
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """What builds a configuration's engine (``engines.make_engine``)."""
@@ -71,6 +87,8 @@ class EngineSettings:
     #: the invariant decoder's shape where the configuration decodes with one (filled by config.py), else None
     invariant_rows: int | None
     invariant_context: int | None
+    #: the most rows of a stock static continuation decoder (``static_rows``; absent: a batch's own)
+    static_rows: int | None = None
 
     @classmethod
     def of(cls, settings: Mapping) -> EngineSettings:
@@ -84,6 +102,7 @@ class EngineSettings:
             stop=tuple(stop_texts(settings)),
             invariant_rows=settings.get("invariant_rows"),
             invariant_context=settings.get("invariant_context"),
+            static_rows=settings.get("static_rows"),
         )
 
 

@@ -233,6 +233,28 @@ def hf_engine(model, tokenizer, **given) -> HFEngine:
     return HFEngine(model, tokenizer, HFOptions(**options))
 
 
+def branch_requests(rollout, positions, k: int) -> list[ContinuationRequest]:
+    """Continuation requests from one stored rollout's prefixes: at each position, both branches (the rollout's
+    token and its runner-up), ``k`` seeds each, resumed from the rollout's KV file."""
+    r = rollout
+    return [
+        ContinuationRequest(
+            f"p@{t}",
+            branch,
+            j,
+            1000 * t + 10 * j + len(branch),
+            tuple(r.prompt_ids + r.response_ids[:t]),
+            token,
+            r.kv_file,
+            r.kv_sha256,
+            r.logits_digests[t],
+        )
+        for t in positions
+        for branch, token in (("orig", r.response_ids[t]), ("sub", r.topk_ids[t][1]))
+        for j in range(k)
+    ]
+
+
 def pass_job(
     pass_name: str,
     config_name: str,

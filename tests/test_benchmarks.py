@@ -89,6 +89,40 @@ def test_the_roofline_fractions_follow_from_the_logged_decode(tmp_path):
     )
 
 
+def test_the_paper_design_is_projected_per_configuration_and_static_rows_caps_a_step(tmp_path):
+    """Two configurations of one engine (HF with and without static_rows) are two projections, not one pooled
+    rate; a refilled HF decoder's step advances static_rows rows, not the batch."""
+
+    def job(config, rule, tokens, loop, seconds):
+        return {
+            "config": config,
+            "rule": rule,
+            "generated_tokens": tokens,
+            "loop_seconds": loop,
+            "loop_tokens_per_s": tokens / loop,
+            "seconds": seconds,
+        }
+
+    rows = [
+        job("hf", "generate_rollouts", 1000, 1.0, 11.0),
+        job("hf", "replay_exact", 4000, 2.0, 12.0),
+        job("hf-r256", "generate_rollouts", 1000, 1.0, 11.0),
+        job("hf-r256", "replay_exact", 4000, 1.0, 11.0),
+    ]
+    got = scale.projection(
+        rows, {"hf": "hf", "hf-r256": "hf"}, pivots=10, per_rollout=5, k=1, trunk=100, continuation=100, passes=1
+    )["configs"]
+    assert set(got) == {"hf", "hf-r256"} and got["hf"]["engine"] == "hf"
+    assert got["hf"]["pass_tokens_per_s"] == 2000 and got["hf-r256"]["pass_tokens_per_s"] == 4000
+    # 2 rollouts x 100 tokens at 1,000 tok/s + 10 s fixed, then 10 pivots x 2 branches x 100 tokens + 10 s fixed
+    assert got["hf"]["gpu_minutes"] == pytest.approx((0.2 + 10 + 2000 / 2000 + 10) / 60)
+    assert got["hf-r256"]["gpu_minutes"] == pytest.approx((0.2 + 10 + 2000 / 4000 + 10) / 60)
+    batch = 1024
+    assert scale.step_rows({}, {"engine": "hf"}, batch) == 1024
+    assert scale.step_rows({}, {"engine": "hf", "static_rows": 256}, batch) == 256
+    assert scale.step_rows({}, {"engine": "vllm", "vllm": {"max_num_seqs": 256}}, batch) == 256
+
+
 def test_the_suite_timeline_pairs_each_test_s_start_and_end_per_worker(tmp_path, monkeypatch):
     monkeypatch.setenv(suite_times.RECORD_DIR, str(tmp_path))
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")

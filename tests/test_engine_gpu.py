@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import hf_engine
+from helpers import branch_requests, hf_engine
 
-from replaynoise.engines.base import ContinuationRequest, RolloutRequest, SamplingSettings
+from replaynoise.engines.base import RolloutRequest, SamplingSettings
 
 # `-m gpu` selects these on a GPU machine; without a CUDA device they skip, saying why
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -51,23 +51,7 @@ def rollout_and_requests(eng, tmp_path, k=3):
     (r,) = eng.generate_rollouts(
         [RolloutRequest("p", prompt, 5)], SAMPLING, tmp_path, lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1
     )
-    requests = []
-    for t in range(2, len(r.response_ids) - 1, 5):
-        for branch, token in (("orig", r.response_ids[t]), ("sub", r.topk_ids[t][1])):
-            for j in range(k):
-                requests.append(
-                    ContinuationRequest(
-                        f"p@{t}",
-                        branch,
-                        j,
-                        1000 * t + 10 * j + len(branch),
-                        tuple(r.prompt_ids + r.response_ids[:t]),
-                        token,
-                        r.kv_file,
-                        r.kv_sha256,
-                        r.logits_digests[t],
-                    )
-                )
+    requests = branch_requests(r, range(2, len(r.response_ids) - 1, 5), k)
     return r, requests
 
 
@@ -189,3 +173,24 @@ def test_invariant_decoder_keeps_its_numbers_across_sampling_changes_with_graphs
     )
     for a, b, c in zip(first, again, fresh):
         assert a.token_ids == b.token_ids == c.token_ids and a.next_digest == b.next_digest == c.next_digest
+
+
+def test_refilled_decode_replays_its_graph_bitwise_and_matches_the_eager_step(model, tmp_path):
+    """static_rows: rows refilled between graph replays (eager writes into the captured step's buffers) decode
+    what the same decoder run eagerly decodes, and a second batch on the captured graph the same again."""
+    from replaynoise.engines.hf.static import RefillDecoder
+
+    stops = frozenset(range(100, 500))  # one token in twenty ends a continuation: rows end at many steps
+    eng = engine(model, "stock", static_rows=4, stop_ids=stops)
+    _, requests = rollout_and_requests(engine(model, "stock"), tmp_path)
+    first = eng.run_batch(requests, "decode_kv", SAMPLING)
+    assert any(isinstance(d, RefillDecoder) and d.rows == 4 < len(requests) for d in eng.forwards.decoders.values())
+    assert {x.finish_reason for x in first} == {"eos", "length"}
+    again = eng.run_batch(requests, "decode_kv", SAMPLING)
+    plain = engine(model, "stock", graphs=False, static_rows=4, stop_ids=stops).run_batch(
+        requests, "decode_kv", SAMPLING
+    )
+    for x, y, z in zip(first, again, plain):
+        assert x.verified
+        assert x.token_ids == y.token_ids == z.token_ids
+        assert x.next_digest == y.next_digest == z.next_digest

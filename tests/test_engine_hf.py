@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import polars as pl
 import pytest
 import torch
-from helpers import configuration, hf_engine, pass_job, rollout_job
+from helpers import branch_requests, configuration, hf_engine, pass_job, rollout_job
 
 from replaynoise.analysis.channels import assert_all_identical, channel_agreement
 from replaynoise.analysis.credit import compute_credit
@@ -18,7 +18,6 @@ from replaynoise.analysis.prefix_mismatch import mismatch_rows
 from replaynoise.data.datasets import load_problems, sample_problems
 from replaynoise.engines import make_engine
 from replaynoise.engines.base import (
-    ContinuationRequest,
     RolloutRequest,
     SamplingSettings,
     VerificationError,
@@ -431,22 +430,7 @@ def test_static_decode_matches_the_dynamic_decode(family, tmp_path):
         tmp_path,
         lambda ro: len(ro.prompt_ids) + len(ro.response_ids) - 1,
     )
-    requests = [
-        ContinuationRequest(
-            f"p@{t}",
-            b,
-            j,
-            1000 * t + 10 * j + len(b),
-            tuple(r.prompt_ids + r.response_ids[:t]),
-            tok_id,
-            r.kv_file,
-            r.kv_sha256,
-            r.logits_digests[t],
-        )
-        for t in range(2, len(r.response_ids) - 1, 4)
-        for b, tok_id in (("orig", r.response_ids[t]), ("sub", r.topk_ids[t][1]))
-        for j in range(3)
-    ]
+    requests = branch_requests(r, range(2, len(r.response_ids) - 1, 4), k=3)
     a, b = dynamic.run_batch(requests, "decode_kv", sampling), static.run_batch(requests, "decode_kv", sampling)
     assert all(x.verified for x in a)
     assert [x.token_ids for x in a] == [y.token_ids for y in b]

@@ -66,6 +66,7 @@ LAYERS = [
     ["engines.sglang.launch"],
     ["engines.hf.static", "engines.vllm.engine", "engines.sglang.engine"],
     ["engines.hf.states"],
+    ["engines.hf.refill"],
     ["engines.hf.forwards"],
     ["engines.hf.modes"],
     ["engines.hf.invariant_modes"],

@@ -32,6 +32,7 @@ from replaynoise.plan import (  # noqa: E402
 from replaynoise.io import stable_hash  # noqa: E402
 from replaynoise.provenance import source_digest  # noqa: E402
 from replaynoise.settings import (  # noqa: E402
+    PASS_ONLY_KEYS,
     compute_threads,
     cross_scoring,
     gpu_reservation_gib,
@@ -250,6 +251,12 @@ def cost_file(ext):
 
 def settings(wildcards):
     return config["configs"][wildcards.config]
+
+
+def rollout_settings(wildcards):
+    """A configuration's settings but those the passes alone read: changing one reruns the passes, not the
+    rollouts."""
+    return {key: value for key, value in settings(wildcards).items() if key not in PASS_ONLY_KEYS}
 
 
 def pass_priority(pass_name):

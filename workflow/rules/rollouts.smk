@@ -20,7 +20,7 @@ rule generate_rollouts:
         gpu_gib=gpu_gib,
     params:
         code=code_version("generate_rollouts"),
-        settings=settings,
+        settings=rollout_settings,
         seed=config["seed"],
         prompt=config["prompt"],
         pivots=config["pivots"],

@@ -75,6 +75,8 @@ class HFOptions:
     invariant_context: int = INVARIANT_CONTEXT
     #: capture CUDA graphs for the static decoder's steps
     graphs: bool = True
+    #: the most rows a stock static continuation decoder holds, refilled as rows end (None: a batch's own)
+    static_rows: int | None = None
 
 
 class HFEngine:
@@ -118,7 +120,7 @@ class HFEngine:
                 else ByToken(self.forwards)
             )
         else:
-            self.mode = Static(self.forwards) if decode == "static" else Dynamic(self.forwards)
+            self.mode = Static(self.forwards, o.static_rows) if decode == "static" else Dynamic(self.forwards)
 
     # ----------------------------------------------------------------------------------------- prefix states
     def prefix_state(self, req: ContinuationRequest, source: str | PrefixSource) -> PrefixState:
@@ -290,6 +292,7 @@ def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: 
                 decode=s.decode,
                 cpu_matmul=s.cpu_matmul,
                 stop_ids=frozenset(stop_token_ids(tokenizer, s.stop)),
+                static_rows=s.static_rows,
                 **shape,
             ),
         )

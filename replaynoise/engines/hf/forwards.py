@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from replaynoise.engines.base import ContinuationRequest, ContinuationResult, SamplingSettings
 from replaynoise.engines.hf.kernels import EAGER_ATTENTION
 from replaynoise.engines.hf.kvfiles import stack_layers
+from replaynoise.engines.hf.refill import CHECK_EVERY, Refill
 from replaynoise.engines.hf.states import (
     PrefixState,
     StoredKV,
@@ -27,7 +28,7 @@ from replaynoise.engines.hf.states import (
     left_padded_cache,
     zero_padding,
 )
-from replaynoise.engines.hf.static import StaticDecoder
+from replaynoise.engines.hf.static import RefillDecoder, StaticDecoder
 from replaynoise.engines.sampling import (
     digest_rows,
     digest_strings,
@@ -63,7 +64,7 @@ class Forwards:
             self.device, int((cache_gib if cache_gib is not None else 8 if self.device.type == "cuda" else 1) * 2**30)
         )
         self.phases = Phases(torch.cuda.synchronize if self.device.type == "cuda" else None)
-        self.decoders: OrderedDict[tuple[int, int, bool], StaticDecoder] = OrderedDict()
+        self.decoders: OrderedDict[tuple[type, int, int, bool], StaticDecoder] = OrderedDict()
         self._copies: dict[str, torch.nn.Module] = {}
 
     # ----------------------------------------------------------------------------------------- forwards
@@ -287,15 +288,17 @@ class Forwards:
         ]
 
     # ----------------------------------------------------------------------------------------- static decoders
-    def decoder(self, rows: int, length: int, compiled: bool = True) -> StaticDecoder:
-        """The static decoder of this shape, built on first use; the least recently used goes beyond
+    def decoder(
+        self, rows: int, length: int, compiled: bool = True, kind: type[StaticDecoder] = StaticDecoder
+    ) -> StaticDecoder:
+        """The static decoder of this kind and shape, built on first use; the least recently used goes beyond
         ``KEPT_DECODERS``."""
-        key = (rows, length, compiled)
+        key = (kind, rows, length, compiled)
         if key not in self.decoders:
             if len(self.decoders) >= KEPT_DECODERS:
                 self.decoders.popitem(last=False)
                 torch.cuda.empty_cache() if self.device.type == "cuda" else None
-            self.decoders[key] = StaticDecoder(
+            self.decoders[key] = kind(
                 self.model, rows, length, graphs=self.graphs, attention=self.attention, compiled=compiled
             )
         self.decoders.move_to_end(key)
@@ -335,7 +338,11 @@ class Forwards:
             if step == 0:
                 first.extend((*topk_rows(logits, self.topk), digest_rows(logits)))
             out[:, step] = tokens
-            return step + 1 < steps and step % 16 == 15 and bool(torch.isin(out[:n, : step + 1], eos).any(dim=1).all())
+            return (
+                step + 1 < steps
+                and step % CHECK_EVERY == CHECK_EVERY - 1
+                and bool(torch.isin(out[:n, : step + 1], eos).any(dim=1).all())
+            )
 
         step = self.run_steps(decoder, range(steps), record)
         with self.phases("results to host"):
@@ -347,6 +354,34 @@ class Forwards:
             tokens_i, finish = (row[: end + 1], "eos") if end is not None else (row, "length")
             results.append(self.result(req, tokens_i, finish, s, tuple(f[i] for f in firsts)))
         return results
+
+    def decode_refilled(
+        self, decoder: RefillDecoder, requests: list[ContinuationRequest], states: list[PrefixState], steps: int
+    ) -> list[ContinuationResult]:
+        """Decode more requests than the decoder has rows (``Refill``): every ``CHECK_EVERY`` steps the rows' new
+        tokens come to the host, and an ended request's row takes the next waiting one."""
+        refill = Refill(decoder, requests, states, steps, self.eos_ids)
+        window = torch.empty(decoder.rows, CHECK_EVERY, dtype=torch.int64, device=self.device)
+
+        def record(step: int) -> bool:
+            logits, tokens = decoder.step()
+            if refill.fresh:
+                chosen = logits.index_select(0, torch.tensor(refill.fresh, device=self.device))
+                refill.first_step(*topk_rows(chosen, self.topk), digest_rows(chosen))
+            window[:, step % CHECK_EVERY] = tokens
+            return step % CHECK_EVERY == CHECK_EVERY - 1 and refill.window(window.tolist())
+
+        with self.phases("load states"):
+            refill.admit(list(range(decoder.rows)))
+        # a request holds a row for fewer than steps + CHECK_EVERY steps, and some request holds one at every step
+        # until all have ended: the bound is never reached
+        self.run_steps(decoder, range(len(requests) * (steps + CHECK_EVERY)), record)
+        with self.phases("results to host"):
+            firsts = refill.firsts()
+        return [
+            self.result(req, refill.generated[i], refill.finish[i], states[i], firsts[i])
+            for i, req in enumerate(requests)
+        ]
 
     # ----------------------------------------------------------------------------------------- rollout records
     def record_steps(
@@ -365,7 +400,8 @@ class Forwards:
             digests[:, step] = digest_rows(logits)
             sampled[:, step] = tokens
             token_lps[:, step] = token_logprob_of(logprobs, tokens)
-            return step % 16 == 15 and bool(torch.isin(sampled[:n, : step + 1], eos).any(dim=1).all())
+            ended = step % CHECK_EVERY == CHECK_EVERY - 1
+            return ended and bool(torch.isin(sampled[:n, : step + 1], eos).any(dim=1).all())
 
         last = self.run_steps(decoder, steps, record, before=before)
         with self.phases("results to host"):

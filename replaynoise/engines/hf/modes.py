@@ -4,7 +4,9 @@ from their prefix states and generates rollouts.
 - ``Dynamic``: HF's own forward on a DynamicCache, prompts prefilled in one left-padded forward, finished rows
   leaving the batch, as in a serving engine (stock kernels, ``decode: dynamic``).
 - ``Static``: as ``Dynamic`` for prefills; continuations and rollouts in a preallocated static cache, one captured
-  graph per step on CUDA, rows staying until every row has finished (stock kernels, ``decode: static``).
+  graph per step on CUDA, rows staying until every row has finished (stock kernels, ``decode: static``); with
+  ``static_rows``, a batch of more continuations than that runs through a decoder of that many rows, each row
+  taking the next waiting continuation when its own ends.
 - ``ByToken`` and ``Aligned`` (``invariant_modes``): the batch-invariant modes of kernels invariant.
 
 A mode holds no state of a run but its decoder; what it computes with is the engine's ``Forwards``; what the engine
@@ -18,10 +20,11 @@ from abc import ABC, abstractmethod
 import torch
 
 from replaynoise.engines.base import ContinuationRequest, ContinuationResult, Rollout, RolloutRequest, SamplingSettings
-from replaynoise.engines.hf.forwards import Forwards
+from replaynoise.engines.hf.forwards import CHECK_EVERY, Forwards
 from replaynoise.engines.hf.kvfiles import KVLayers, stack_layers
 from replaynoise.engines.hf.records import rollout_of, step_records
 from replaynoise.engines.hf.states import PrefixState, bucket, cache_layers, row_bucket
+from replaynoise.engines.hf.static import RefillDecoder
 from replaynoise.engines.sampling import (
     digest_rows,
     logprob_rows,
@@ -157,11 +160,18 @@ class Dynamic(DecodeMode):
 class Static(Dynamic):
     name = "static"
 
+    def __init__(self, forwards: Forwards, rows: int | None = None) -> None:
+        super().__init__(forwards)
+        #: the most rows a continuation decoder holds (``static_rows``; None: a batch's own, rounded up)
+        self.rows = rows
+
     def continue_rows(
         self, requests: list[ContinuationRequest], states: list[PrefixState], sampling: SamplingSettings
     ) -> list[ContinuationResult]:
         """Decode all rows together in a static cache (one graph replay per step); times its own phases."""
         n, steps = len(requests), sampling.max_new_tokens
+        if self.rows is not None and n > self.rows:
+            return self._refilled(requests, states, sampling)
         length = bucket(max(s.length for s in states) + steps + 1)  # bucketed: the batches of a pass share a graph
         rows = row_bucket(n)
         if rows > n:  # a short batch runs padded to a power of two (the full batches' shape where the batch size
@@ -185,6 +195,17 @@ class Static(Dynamic):
                 (sampling.temperature, sampling.top_p),
             )
         return self.f.decode_rows(decoder, requests[:n], states[:n], steps)
+
+    def _refilled(
+        self, requests: list[ContinuationRequest], states: list[PrefixState], sampling: SamplingSettings
+    ) -> list[ContinuationResult]:
+        """More continuations than ``rows``: one decoder of ``rows`` rows, refilled as they end. Its cache holds
+        the batch's longest prefix and the steps a row may run past its budget before it is seen to end."""
+        length = bucket(max(s.length for s in states) + sampling.max_new_tokens + CHECK_EVERY + 1)
+        with self.f.phases("load states"):
+            decoder = self.f.decoder(self.rows, length, kind=RefillDecoder)
+            decoder.start((sampling.temperature, sampling.top_p))
+        return self.f.decode_refilled(decoder, requests, states, sampling.max_new_tokens)
 
     @torch.inference_mode()
     def generate(

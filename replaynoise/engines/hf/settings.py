@@ -31,4 +31,15 @@ def derive(name: str, settings: dict, replay: dict) -> None:
 
 
 def check(name: str, settings: dict, **_: Any) -> None:
-    """Nothing beyond the schema and ``fill``: the HF engine takes every setting of its kind."""
+    """``static_rows`` sizes the stock static decoder alone: with invariant kernels (``invariant_rows``) or a
+    dynamic decode (``decode: dynamic``, or ``auto`` on the CPU) it would change nothing, so it is refused."""
+    if "static_rows" not in settings:
+        return
+    static = settings["decode"] == "static" or (settings["decode"] == "auto" and settings["device"] != "cpu")
+    if settings["kernels"] != "stock" or not static:
+        raise ConfigError(
+            f"config key configs.{name}.static_rows: sizes the stock static decoder, and this configuration "
+            f"decodes with kernels {settings['kernels']!r} and decode {settings['decode']!r} on "
+            f"{settings['device']!r} (invariant kernels take invariant_rows; decode static, or auto on a GPU, "
+            "is the static decoder); remove it"
+        )

@@ -201,10 +201,68 @@ class StaticDecoder:
         return self.out
 
 
-class AlignedDecoder(StaticDecoder):
+class SlotDecoder(StaticDecoder):
+    """A static decoder whose every row keeps its position p in cache slot p (no left padding; each row writes at
+    its own position), so that one row can start over while the others decode on."""
+
+    def __init__(self, model, rows: int, length: int, *, graphs: bool, attention: str, compiled: bool = True) -> None:
+        super().__init__(model, rows, length, graphs=graphs, attention=attention, compiled=compiled)
+        self.write = torch.zeros(rows, device=self.device, dtype=torch.int64)
+
+    def _mark(self) -> None:
+        self.mask.scatter_(3, self.write.view(-1, 1, 1, 1), True)
+
+    def _store(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
+        index = self.write.view(-1, 1, 1, 1).expand(-1, buffer.shape[1], 1, buffer.shape[3])
+        buffer.scatter_(2, index, new)
+
+
+class RefillDecoder(SlotDecoder):
+    """Stock static decode of a batch of more requests than rows (``static_rows``): a row whose request has ended
+    takes the next waiting one, so that the step keeps decoding live rows where a static batch would decode until
+    its longest row ends (on real weights most continuations end long before their budget). A request's numbers
+    are computed as in any static row: its prefix KV copied in unmodified (an exact pass still resumes from the
+    decode-time state), its noise drawn from (its seed, its own step), which restarts at 0 when it is admitted.
+    Admission and parking are eager writes into the buffers the captured step reads."""
+
+    def admit(self, slots: list[int], states: list, lengths: list[int], seeds: list[int], tokens: list[int]) -> None:
+        """Start request i in row ``slots[i]``: ``states[i]`` its prefix KV (stacked [layers, 2, 1, kv_heads, n,
+        head_dim], or per-layer (k, v) pairs) of ``lengths[i]`` positions, its first input token ``tokens[i]``."""
+        for slot, state, n in zip(slots, states, lengths):
+            if n >= self.length:
+                raise ValueError(f"prefix of {n} positions does not fit a static cache of {self.length}")
+            if isinstance(state, torch.Tensor):
+                self.kv[:, :, slot, :, :n].copy_(state[:, :, 0, :, :n])
+            else:
+                for layer, (k, v) in enumerate(state):
+                    self.keys[layer][slot, :, :n].copy_(k[0, :, :n])
+                    self.values[layer][slot, :, :n].copy_(v[0, :, :n])
+        index = torch.tensor(slots, device=self.device)
+        at = torch.tensor(lengths, device=self.device)
+        slots_at = torch.arange(self.length, device=self.device)
+        self.mask[index] = (slots_at[None, :] < at[:, None])[:, None, None, :]
+        self.positions[index] = at
+        self.write[index] = at
+        self.ids[index] = torch.tensor(tokens, device=self.device)
+        self.seeds[index] = torch.tensor(seeds, device=self.device)
+        self.step_no[index] = 0
+
+    def park(self, slots: list[int]) -> None:
+        """Rows with no request left decode from position 0 on what they write themselves (results dropped), so
+        that they stay within the cache whatever steps remain."""
+        index = torch.tensor(slots, device=self.device)
+        for buffer in (self.positions, self.write, self.ids, self.step_no):
+            buffer[index] = 0
+        self.mask[index] = False
+
+    def start(self, sampling: tuple[float, float]) -> None:
+        self._set_sampling(sampling)
+
+
+class AlignedDecoder(SlotDecoder):
     """Batch-invariant decode (``kernels: invariant`` with static decode): every forward, prompts and prefixes
     included, computes one token per row in one fixed shape [rows, length], and a row's position p always lives
-    in cache slot p (no left padding; each row writes at its own position).
+    in cache slot p (``SlotDecoder``).
 
     A row's numbers are then a function of its own tokens alone: the GEMMs see the same shapes whatever the
     batch-mates (rows are independent in a GEMM of fixed shape), attention reduces over the same slots in the
@@ -214,18 +272,10 @@ class AlignedDecoder(StaticDecoder):
 
     def __init__(self, model, rows: int, length: int, *, graphs: bool, attention: str = INVARIANT_ATTENTION) -> None:
         super().__init__(model, rows, length, graphs=graphs, attention=attention)
-        self.write = torch.zeros(rows, device=self.device, dtype=torch.int64)
         self.forced = torch.zeros(rows, length, device=self.device, dtype=torch.int64)
         self.hold = torch.zeros(rows, device=self.device, dtype=torch.int64)
         self.prefill_graph: torch.cuda.CUDAGraph | None = None
         self.prefill_warm = False
-
-    def _mark(self) -> None:
-        self.mask.scatter_(3, self.write.view(-1, 1, 1, 1), True)
-
-    def _store(self, buffer: torch.Tensor, new: torch.Tensor) -> None:
-        index = self.write.view(-1, 1, 1, 1).expand(-1, buffer.shape[1], 1, buffer.shape[3])
-        buffer.scatter_(2, index, new)
 
     @torch.inference_mode()
     def _prefill_step(self) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-from replaynoise.settings import ConfigError
+from replaynoise.settings import ConfigError, refuse_hf_only_keys
 
 #: attention backends under which SGLang 0.5.16's deterministic mode keeps its radix cache on
 #: (``arg_groups/overrides.py``; flashinfer turns it off, so an exact pass could not read the decode-time state)
@@ -32,6 +32,7 @@ def check(
 ) -> None:
     """An sglang configuration against what the engine can do faithfully (``controls``: the transplant and
     precision passes of the run, which need the KV in hand)."""
+    refuse_hf_only_keys(name, settings)
     s = settings["sglang"]
     if controls:
         raise ConfigError(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-from replaynoise.settings import ConfigError
+from replaynoise.settings import ConfigError, refuse_hf_only_keys
 
 
 def prepare(
@@ -46,6 +46,7 @@ def check(
     """A vllm configuration's settings against the control passes of the run (``controls``: transplants and
     precision arms, which need the KV in hand), its model (``context``: positions, ``heads``) and ``gpus`` (the
     most a job may hold)."""
+    refuse_hf_only_keys(name, settings)
     _check_platform(name, settings, controls)
     _check_engine_settings(name, settings, budget, context, heads, gpus)
 
