@@ -16,13 +16,15 @@ asks of every mode is ``DecodeMode``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import cast
 
 import torch
 
 from replaynoise.engines.base import ContinuationRequest, ContinuationResult, Rollout, RolloutRequest, SamplingSettings
-from replaynoise.engines.hf.forwards import CHECK_EVERY, Forwards
+from replaynoise.engines.hf.forwards import Forwards
 from replaynoise.engines.hf.kvfiles import KVLayers, stack_layers
 from replaynoise.engines.hf.records import rollout_of, step_records
+from replaynoise.engines.hf.refill import CHECK_EVERY
 from replaynoise.engines.hf.states import PrefixState, bucket, cache_layers, row_bucket
 from replaynoise.engines.hf.static import RefillDecoder
 from replaynoise.engines.sampling import (
@@ -203,7 +205,7 @@ class Static(Dynamic):
         the batch's longest prefix and the steps a row may run past its budget before it is seen to end."""
         length = bucket(max(s.length for s in states) + sampling.max_new_tokens + CHECK_EVERY + 1)
         with self.f.phases("load states"):
-            decoder = self.f.decoder(self.rows, length, kind=RefillDecoder)
+            decoder = cast(RefillDecoder, self.f.decoder(self.rows, length, kind=RefillDecoder))
             decoder.start((sampling.temperature, sampling.top_p))
         return self.f.decode_refilled(decoder, requests, states, sampling.max_new_tokens)
 
