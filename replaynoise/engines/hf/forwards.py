@@ -358,24 +358,13 @@ class Forwards:
     def decode_refilled(
         self, decoder: RefillDecoder, requests: list[ContinuationRequest], states: list[PrefixState], steps: int
     ) -> list[ContinuationResult]:
-        """Decode more requests than the decoder has rows (``Refill``): every ``CHECK_EVERY`` steps the rows' new
-        tokens come to the host, and an ended request's row takes the next waiting one."""
-        refill = Refill(decoder, requests, states, steps, self.eos_ids)
-        window = torch.empty(decoder.rows, CHECK_EVERY, dtype=torch.int64, device=self.device)
-
-        def record(step: int) -> bool:
-            logits, tokens = decoder.step()
-            if refill.fresh:
-                chosen = logits.index_select(0, torch.tensor(refill.fresh, device=self.device))
-                refill.first_step(*topk_rows(chosen, self.topk), digest_rows(chosen))
-            window[:, step % CHECK_EVERY] = tokens
-            return step % CHECK_EVERY == CHECK_EVERY - 1 and refill.window(window.tolist())
-
+        """Decode more requests than the decoder has rows (``Refill``)."""
+        refill = Refill(decoder, requests, states, steps, self.eos_ids, self.topk)
         with self.phases("load states"):
             refill.admit(list(range(decoder.rows)))
         # a request holds a row for fewer than steps + CHECK_EVERY steps, and some request holds one at every step
         # until all have ended: the bound is never reached
-        self.run_steps(decoder, range(len(requests) * (steps + CHECK_EVERY)), record)
+        self.run_steps(decoder, range(len(requests) * (steps + CHECK_EVERY)), refill.record)
         with self.phases("results to host"):
             firsts = refill.firsts()
         return [

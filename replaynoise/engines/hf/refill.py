@@ -15,7 +15,7 @@ import torch
 from replaynoise.engines.base import ContinuationRequest
 from replaynoise.engines.hf.states import PrefixState
 from replaynoise.engines.hf.static import RefillDecoder
-from replaynoise.engines.sampling import digest_strings
+from replaynoise.engines.sampling import digest_rows, digest_strings, topk_rows
 
 #: steps between two looks at a static batch's tokens: a batch that may end early is checked this often, and a
 #: refilled row decodes at most this many steps past its end
@@ -33,8 +33,12 @@ class Refill:
         states: list[PrefixState],
         steps: int,
         eos_ids: set[int],
+        topk: int,
     ) -> None:
         self.decoder, self.requests, self.states, self.steps, self.eos_ids = decoder, requests, states, steps, eos_ids
+        self.topk = topk
+        #: the rows' tokens since the last look
+        self.tokens = torch.empty(decoder.rows, CHECK_EVERY, dtype=torch.int64, device=decoder.device)
         self.waiting = deque(range(len(requests)))
         self.holder: list[int | None] = [None] * decoder.rows
         self.generated: list[list[int]] = [[] for _ in requests]
@@ -63,10 +67,18 @@ class Refill:
             self.holder[row] = i
         self.fresh = used
 
-    def first_step(self, top_ids: torch.Tensor, top_values: torch.Tensor, digests: torch.Tensor) -> None:
-        """The first step of the ``fresh`` rows' continuations (kept on the device until the batch ends)."""
-        self._firsts.append(([self.holder[row] for row in self.fresh], top_ids, top_values, digests))
-        self.fresh = []
+    def record(self, step: int) -> bool:
+        """One decode step: the first step's top-k and digest of the rows that start a continuation (kept on the
+        device until the batch ends), every row's token, and every ``CHECK_EVERY`` steps a look at them (``window``).
+        True once every continuation has ended."""
+        logits, tokens = self.decoder.step()
+        if self.fresh:
+            chosen = logits.index_select(0, torch.tensor(self.fresh, device=logits.device))
+            taken = [self.holder[row] for row in self.fresh]
+            self._firsts.append((taken, *topk_rows(chosen, self.topk), digest_rows(chosen)))
+            self.fresh = []
+        self.tokens[:, step % CHECK_EVERY] = tokens
+        return step % CHECK_EVERY == CHECK_EVERY - 1 and self.window(self.tokens.tolist())
 
     def window(self, tokens: list[list[int]]) -> bool:
         """Each row's tokens of the last ``CHECK_EVERY`` steps: a continuation that has ended leaves its row, which
