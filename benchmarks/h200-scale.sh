@@ -9,7 +9,8 @@
 #   bash benchmarks/h200-scale.sh OUT_DIR [TIMEOUT_S] [CONFIG]
 # CONFIG is benchmarks/configs/scale-7b.yaml unless named (benchmarks/configs/real-1.5b.yaml: the real 1.5B, the same
 # design). Interrupted by TIMEOUT_S, a second call resumes (the models are kept, Snakemake keeps finished jobs, the
-# passes keep finished batches). Writes OUT_DIR/h200-<config>.{json,md} and OUT_DIR/logs-<config>.tgz.
+# passes keep finished batches). Writes OUT_DIR/h200-<config>.{json,md} and OUT_DIR/logs-<config>.tgz. COMMIT names
+# the commit measured in the report where the tree's git metadata is not its files' (a lent machine's copy).
 set -uo pipefail
 out=$1 limit=${2:-3600} cfg=${3:-benchmarks/configs/scale-7b.yaml}
 name=$(basename "$cfg" .yaml)
@@ -73,7 +74,7 @@ for targets in "$first" "$last"; do
     [ "$left" -gt 60 ] || { echo "no time left for: $targets"; break; }
     TARGETS=$(echo $targets) bash benchmarks/h200-pipeline.sh "$here" "$left"
 done
-PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python benchmarks/scale.py report "$WORK" --configfile "$cfg" \
+PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python benchmarks/scale.py report "$WORK" --configfile "$cfg" ${COMMIT:+--commit "$COMMIT"} \
     --out "$out/h200-$name.json" > "$out/h200-$name.md"
 cat "$out/h200-$name.md"
 tar -C "$WORK" -czf "$out/logs-$name.tgz" results/logs results/benchmarks

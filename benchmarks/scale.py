@@ -271,7 +271,7 @@ def projection(
     }
 
 
-def report(run: Path, configfile: Path, out: Path | None, commit: str | None = None) -> dict:
+def report(run: Path, configfile: Path, out: Path | None, commit: str | None = None, dirty: bool | None = None) -> dict:
     provenance = run / "results" / "provenance.json"
     if provenance.is_file():
         config = read_json(provenance)["config"]
@@ -297,6 +297,9 @@ def report(run: Path, configfile: Path, out: Path | None, commit: str | None = N
     engine_of = {c: s["engine"] for c, s in config["configs"].items()}
     record = {
         "commit": commit,
+        # True where the files measured differ from that commit (a lent machine's copy of a tree can carry the git
+        # metadata of an older commit than its files); None where the commit was given (--commit)
+        "dirty": dirty,
         "hardware": hardware(),
         "packages": {
             name: package_version(name)
@@ -381,7 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("run", type=Path)
     rep.add_argument("--configfile", type=Path, required=True)
     rep.add_argument("--out", type=Path, default=None)
-    rep.add_argument("--commit", default=None, help="the commit measured, where the code's folder is no git clone")
+    rep.add_argument(
+        "--commit",
+        default=None,
+        help="the commit measured, where the code's folder is no git clone or its git metadata is not the files'",
+    )
     args = ap.parse_args(argv)
     if args.command == "make-models":
         tokenizer_dir = args.dir / f"{TOKENIZER_MODEL}-tokenizer"
@@ -391,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes:
             make_model(shape, args.dir, tokenizer_dir, args.device)
     else:
-        report(args.run, args.configfile, args.out, args.commit or git_commit(Path(__file__).parents[1]).get("commit"))
+        source = {"commit": args.commit} if args.commit else git_commit(Path(__file__).parents[1])
+        report(args.run, args.configfile, args.out, source.get("commit"), source.get("dirty"))
     return 0
 
 
