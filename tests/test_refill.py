@@ -85,6 +85,29 @@ def test_a_batch_no_larger_than_static_rows_decodes_as_without_it(batch):
     assert not any(isinstance(d, RefillDecoder) for d in static.forwards.decoders.values())
 
 
+def test_a_short_budget_frees_its_rows_at_every_step_it_ends(batch):
+    """A one-token continuation (cross-scoring, a short probe) holds its row for one step, not a 16-step window."""
+    model, tok, requests = batch
+    one = SamplingSettings(1.0, 1.0, 1)
+    static = refilled(model, tok)
+    got = static.run_batch(requests, "decode_kv", one)
+    want = hf_engine(model, tok, decode="dynamic", stop_ids=STOPS).run_batch(requests, "decode_kv", one)
+    assert [x.token_ids for x in got] == [y.token_ids for y in want] and all(len(x.token_ids) == 1 for x in got)
+    assert static.phases.steps["decode"] == len(requests) // 4  # 60 continuations, 4 rows, one step each
+
+
+def test_static_rows_bounds_an_unrefilled_batch_too(batch):
+    """A batch of no more continuations than static_rows runs in at most that many rows (not the next power of
+    two), and an engine whose decode is not the stock static one refuses the setting."""
+    model, tok, requests = batch
+    static = refilled(model, tok, rows=6)
+    static.run_batch(requests[:5], "decode_kv", SAMPLING)
+    assert [d.rows for d in static.forwards.decoders.values()] == [6]
+    for given in (dict(decode="dynamic"), dict(decode="auto"), dict(decode="static", kernels="invariant")):
+        with pytest.raises(ValueError, match="static_rows 4"):
+            hf_engine(model, tok, static_rows=4, **given)
+
+
 def test_static_rows_is_absent_unless_given_and_refused_where_it_would_change_nothing():
     assert "static_rows" not in configuration()
     assert configuration(decode="static", static_rows=256)["static_rows"] == 256

@@ -104,6 +104,11 @@ class HFEngine:
         self.stop_ids = set(o.stop_ids)
         self.eos_ids = eos_token_ids(model.generation_config, tokenizer) | self.stop_ids
         invariant = kernels == "invariant"
+        if o.static_rows is not None and (invariant or decode != "static"):
+            raise ValueError(
+                f"static_rows {o.static_rows}: sizes the stock static decoder, and this engine decodes with kernels "
+                f"{kernels!r}, decode {decode!r} (auto is static only on CUDA, for the model families it supports)"
+            )
         self.forwards = Forwards(
             self.model,
             eos_ids=self.eos_ids,

@@ -308,10 +308,10 @@ class Forwards:
         """Run ``step_fn(step)`` over ``steps`` until it returns True (all rows finished); returns the last step
         run (``before`` if none). A new decoder's first steps (kernel compilation, graph capture) are timed as
         their own phase, apart from the steady decode."""
-        todo, last = list(steps), before
-        while todo and decoder.graphs and decoder.graph is None:
+        todo, last = iter(steps), before  # lazily: a refilled decode's bound is large and never reached
+        while decoder.graphs and decoder.graph is None and (step := next(todo, None)) is not None:
             with self.phases("compile and capture"):
-                last = todo.pop(0)
+                last = step
                 if step_fn(last):
                     return last
         with self.phases("decode"):

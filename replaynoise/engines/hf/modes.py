@@ -175,7 +175,7 @@ class Static(Dynamic):
         if self.rows is not None and n > self.rows:
             return self._refilled(requests, states, sampling)
         length = bucket(max(s.length for s in states) + steps + 1)  # bucketed: the batches of a pass share a graph
-        rows = row_bucket(n)
+        rows = row_bucket(n) if self.rows is None else min(row_bucket(n), self.rows)  # at most static_rows
         if rows > n:  # a short batch runs padded to a power of two (the full batches' shape where the batch size
             # is one) with copies of its first row whose results are dropped: the shape, and so the numbers,
             # depend on the batch alone, not on which decoders this process built before a resume

@@ -37,8 +37,11 @@ class Refill:
     ) -> None:
         self.decoder, self.requests, self.states, self.steps, self.eos_ids = decoder, requests, states, steps, eos_ids
         self.topk = topk
+        #: steps between two looks: CHECK_EVERY, or the budget where it is shorter (a one-token continuation ends
+        #: after one step, and its row is free for the next)
+        self.every = min(CHECK_EVERY, steps)
         #: the rows' tokens since the last look
-        self.tokens = torch.empty(decoder.rows, CHECK_EVERY, dtype=torch.int64, device=decoder.device)
+        self.tokens = torch.empty(decoder.rows, self.every, dtype=torch.int64, device=decoder.device)
         self.waiting = deque(range(len(requests)))
         self.holder: list[int | None] = [None] * decoder.rows
         self.generated: list[list[int]] = [[] for _ in requests]
@@ -69,7 +72,7 @@ class Refill:
 
     def record(self, step: int) -> bool:
         """One decode step: the first step's top-k and digest of the rows that start a continuation (kept on the
-        device until the batch ends), every row's token, and every ``CHECK_EVERY`` steps a look at them (``window``).
+        device until the batch ends), every row's token, and every ``every`` steps a look at them (``window``).
         True once every continuation has ended."""
         logits, tokens = self.decoder.step()
         if self.fresh:
@@ -77,11 +80,11 @@ class Refill:
             taken = [self.holder[row] for row in self.fresh]
             self._firsts.append((taken, *topk_rows(chosen, self.topk), digest_rows(chosen)))
             self.fresh = []
-        self.tokens[:, step % CHECK_EVERY] = tokens
-        return step % CHECK_EVERY == CHECK_EVERY - 1 and self.window(self.tokens.tolist())
+        self.tokens[:, step % self.every] = tokens
+        return step % self.every == self.every - 1 and self.window(self.tokens.tolist())
 
     def window(self, tokens: list[list[int]]) -> bool:
-        """Each row's tokens of the last ``CHECK_EVERY`` steps: a continuation that has ended leaves its row, which
+        """Each row's tokens of the last ``every`` steps: a continuation that has ended leaves its row, which
         the next waiting one takes. True once every continuation has ended."""
         ended = []
         for row, new in enumerate(tokens):
