@@ -158,4 +158,4 @@ def test_a_short_batch_decodes_in_a_shape_of_its_own_whatever_ran_before(model, 
     alone = cold.run_batch(short, "decode_kv", SAMPLING)
     assert [r.token_ids for r in after_full] == [r.token_ids for r in alone]
     assert [r.next_digest for r in after_full] == [r.next_digest for r in alone]
-    assert sorted(rows for rows, _, _ in cold.forwards.decoders) == [8]  # 5 rows: the next power of two
+    assert sorted(rows for _, rows, _, _ in cold.forwards.decoders) == [8]  # 5 rows: the next power of two
