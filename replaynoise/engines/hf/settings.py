@@ -12,13 +12,18 @@ def prepare(name: str, settings: dict, given: dict, **_: Any) -> None:
     """Nothing to fill: the HF engine has no settings block (another engine's is refused by ``config``)."""
 
 
+def decodes_statically(settings: dict) -> bool:
+    """Whether a configuration decodes with a static decoder: ``decode: static``, or ``auto`` off the CPU (the
+    engine falls back to dynamic decode for model families the static decoder does not cover)."""
+    return settings["decode"] == "static" or (settings["decode"] == "auto" and settings["device"] != "cpu")
+
+
 def derive(name: str, settings: dict, replay: dict) -> None:
     """The one decoder shape of an HF invariant configuration that decodes statically (``decode: static``, or
     ``auto`` off the CPU), filled in where not given, so that the rollouts and every pass (which all receive
     the configuration's settings) build the same one. Others are left as they are: their settings, and so the
     analysis hash of a committed run, stay what they were before the invariant decoder existed."""
-    static = settings["decode"] == "static" or (settings["decode"] == "auto" and settings["device"] != "cpu")
-    if settings["kernels"] == "invariant" and static:
+    if settings["kernels"] == "invariant" and decodes_statically(settings):
         settings.setdefault("invariant_rows", INVARIANT_ROWS)
         continuation = max(replay["max_new_tokens"], replay["probe_tokens"])
         budget = settings["max_new_tokens"] + continuation
@@ -35,8 +40,7 @@ def check(name: str, settings: dict, **_: Any) -> None:
     dynamic decode (``decode: dynamic``, or ``auto`` on the CPU) it would change nothing, so it is refused."""
     if "static_rows" not in settings:
         return
-    static = settings["decode"] == "static" or (settings["decode"] == "auto" and settings["device"] != "cpu")
-    if settings["kernels"] != "stock" or not static:
+    if settings["kernels"] != "stock" or not decodes_statically(settings):
         raise ConfigError(
             f"config key configs.{name}.static_rows: sizes the stock static decoder, and this configuration "
             f"decodes with kernels {settings['kernels']!r} and decode {settings['decode']!r} on "

@@ -216,6 +216,18 @@ class SlotDecoder(StaticDecoder):
         index = self.write.view(-1, 1, 1, 1).expand(-1, buffer.shape[1], 1, buffer.shape[3])
         buffer.scatter_(2, index, new)
 
+    def _start_rows(self, index: torch.Tensor, lengths: list[int], ids: list[int], seeds: list[int]) -> None:
+        """Rows ``index`` begin at positions ``lengths`` with input tokens ``ids``: each attends to its slots
+        [0, length) and writes the next, its noise drawn from ``seeds`` and its own step 0."""
+        at = torch.tensor(lengths, device=self.device)
+        slots = torch.arange(self.length, device=self.device)
+        self.mask[index] = (slots[None, :] < at[:, None])[:, None, None, :]
+        self.positions[index] = at
+        self.write[index] = at
+        self.ids[index] = torch.tensor(ids, device=self.device)
+        self.seeds[index] = torch.tensor(seeds, device=self.device)
+        self.step_no[index] = 0
+
 
 class RefillDecoder(SlotDecoder):
     """Stock static decode of a batch of more requests than rows (``static_rows``): a row whose request has ended
@@ -237,15 +249,7 @@ class RefillDecoder(SlotDecoder):
                 for layer, (k, v) in enumerate(state):
                     self.keys[layer][slot, :, :n].copy_(k[0, :, :n])
                     self.values[layer][slot, :, :n].copy_(v[0, :, :n])
-        index = torch.tensor(slots, device=self.device)
-        at = torch.tensor(lengths, device=self.device)
-        slots_at = torch.arange(self.length, device=self.device)
-        self.mask[index] = (slots_at[None, :] < at[:, None])[:, None, None, :]
-        self.positions[index] = at
-        self.write[index] = at
-        self.ids[index] = torch.tensor(tokens, device=self.device)
-        self.seeds[index] = torch.tensor(seeds, device=self.device)
-        self.step_no[index] = 0
+        self._start_rows(torch.tensor(slots, device=self.device), lengths, tokens, seeds)
 
     def park(self, slots: list[int]) -> None:
         """Rows with no request left decode from position 0 on what they write themselves (results dropped), so
@@ -375,12 +379,5 @@ class AlignedDecoder(SlotDecoder):
         lengths, ids, seeds = lengths + [lengths[0]] * pad, ids + [ids[0]] * pad, seeds + [seeds[0]] * pad
         if states is not None and pad:
             self.kv[:, :, rows:].copy_(self.kv[:, :, :1].expand(-1, -1, pad, -1, -1, -1))
-        at = torch.tensor(lengths, device=self.device)
-        slots = torch.arange(self.length, device=self.device)
-        self.mask.copy_((slots[None, :] < at[:, None])[:, None, None, :])
-        self.positions.copy_(at)
-        self.write.copy_(at)
-        self.ids.copy_(torch.tensor(ids, device=self.device))
-        self.seeds.copy_(torch.tensor(seeds, device=self.device))
-        self.step_no.zero_()
+        self._start_rows(torch.arange(self.rows, device=self.device), lengths, ids, seeds)
         self._set_sampling(sampling)
