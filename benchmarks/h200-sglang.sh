@@ -5,7 +5,8 @@
 # GPU memory free at its start.
 #   bash benchmarks/h200-sglang.sh OUT_DIR LIMIT_S [tests|campaigns|both|listed [SIZE...]]
 # listed: instead of those, SGLang on the vLLM ladder's own problems (config/campaigns/gpu-sglang/qwen-SIZE-vllm-problems.yaml,
-# SIZE 0.5b and 1.5b by default, the 1.5B's wheels staged too), one after the other, one job at a time.
+# SIZE 0.5b and 1.5b by default, the 1.5B's wheels staged too), one after the other, SLOTS jobs at a time (default 1;
+# more only for campaigns whose sglang.max_total_tokens fixes every job's KV pool).
 # ENTRY_POINT=0 leaves the plugin's entry point out, so that SGLang's spawned processes get the hook only by importing
 # the plugin as their main module (children_import_plugin), as a --use-conda environment without it would.
 # Run it from a copy of the project outside the call's working tree, with an OUT_DIR other than the call's $OUT; rerun
@@ -35,7 +36,7 @@ export PYTHONPATH=/root/replaynoise-ep:${PYTHONPATH:-}
 if [ "$what" = listed ]; then
     sizes=("${@:4}"); [ ${#sizes[@]} -gt 0 ] || sizes=(0.5b 1.5b)
     files=$(printf 'config/campaigns/gpu-sglang/qwen-%s-vllm-problems.yaml,' "${sizes[@]}")
-    bash benchmarks/h200-campaigns-parallel.sh "$out" "$limit" "${files%,}:1"
+    bash benchmarks/h200-campaigns-parallel.sh "$out" "$limit" "${files%,}:${SLOTS:-1}"
     exit
 fi
 if [ "$what" != campaigns ]; then

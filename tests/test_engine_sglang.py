@@ -9,10 +9,12 @@ import copy
 import importlib
 import importlib.util
 import logging
+import multiprocessing
 import random
 import runpy
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +30,14 @@ from replaynoise.engines.recipes import chained_digests, read_recipe
 from replaynoise.engines.sglang import engine as sglang_engine
 from replaynoise.engines.sglang import plugin
 from replaynoise.engines.sglang.engine import EngineError, SGLangEngine, engine_kwargs
-from replaynoise.engines.sglang.launch import PROBE, check_seeded, checked_server_args
+from replaynoise.engines.sglang.launch import (
+    PROBE,
+    check_seeded,
+    checked_pool,
+    checked_server_args,
+    start_lock,
+    start_lock_path,
+)
 from replaynoise.machine import platform_problems
 from replaynoise.settings import ConfigError
 
@@ -199,6 +208,8 @@ def test_the_hook_gives_each_request_its_seed_as_the_deterministic_mode_does(mon
         ({"sglang": {"disable_radix_cache": True}}, r"configs\.s\.sglang\.disable_radix_cache: true"),
         ({"sglang": {"attention_backend": "flashinfer"}}, r"configs\.s\.sglang\.attention_backend: 'flashinfer'"),
         ({"sglang": {"context_length": 50}}, r"configs\.s\.sglang\.context_length: 50 positions do not hold"),
+        ({"sglang": {"max_total_tokens": 50}}, r"configs\.s\.sglang\.max_total_tokens: a KV pool of 50 tokens"),
+        ({"sglang": {"max_total_tokens": 0}}, r"configs\.s\.sglang\.max_total_tokens"),
         ({"sglang": {"page_size": "1"}}, r"configs\.s\.sglang\.page_size"),
         ({"vllm": {}}, r"configs\.s\.vllm: settings of the vllm engine, but .* 'sglang'"),
     ],
@@ -431,6 +442,59 @@ def test_the_decode_graphs_bound_is_absent_unless_given_and_then_reaches_the_eng
         validate_config(sglang_config(sglang={"cuda_graph_max_bs_decode": 0}))
     with pytest.raises(ConfigError, match=r"configs\.s\.sglang\.cuda_graph_max_bs_decode"):
         validate_config(sglang_config(sglang={"cuda_graph_max_bs_decode": None}))
+
+
+def test_the_kv_pool_is_absent_unless_given_and_then_reaches_the_engine():
+    """Absent, SGLang sizes its pool from free memory and no earlier run's hash moves; given, it is passed on."""
+    base = validate_config(sglang_config(kernels="stock"))
+    assert "max_total_tokens" not in base["configs"]["s"]["sglang"]
+    assert "max_total_tokens" not in engine_kwargs(base["configs"]["s"])
+    given = validate_config(sglang_config(kernels="stock", sglang={"max_total_tokens": 700_000}))
+    assert engine_kwargs(given["configs"]["s"])["max_total_tokens"] == 700_000
+    assert analysis_hash(given) != analysis_hash(base)
+
+
+def test_a_kv_pool_smaller_than_the_one_asked_for_stops_the_job():
+    """SGLang takes the smaller of max_total_tokens and what free memory holds (a warning at its log level error,
+    so unseen): the batches it admits would then differ from the other jobs' of the configuration."""
+    asked = validate_config(sglang_config(sglang={"max_total_tokens": 700_000, "mem_fraction_static": 0.55}))
+    settings = asked["configs"]["s"]
+    assert checked_pool({"max_total_num_tokens": 700_000}, settings) == 700_000
+    with pytest.raises(
+        EngineError,
+        match=r"KV pool of 699999 tokens, fewer than sglang\.max_total_tokens 700000.*"
+        r"mem_fraction_static 0\.55",
+    ):
+        checked_pool({"max_total_num_tokens": 699_999}, settings)
+    free = validate_config(sglang_config())["configs"]["s"]
+    assert checked_pool({"max_total_num_tokens": 12}, free) == 12  # not asked: whatever SGLang built
+
+
+def _hold_start(path: str, events, hold_s: float) -> None:
+    with start_lock(Path(path)):
+        events.put(("in", time.monotonic()))
+        time.sleep(hold_s)
+        events.put(("out", time.monotonic()))
+
+
+def test_sglang_engines_on_one_gpu_build_one_at_a_time(tmp_path):
+    """Each engine's build holds the GPU's start lock, so a second job's SGLang measures free memory only once the
+    first has built its pool; across processes (flock), and released by a job that ends."""
+    events = multiprocessing.get_context("fork").Queue()
+    jobs = [
+        multiprocessing.get_context("fork").Process(target=_hold_start, args=(str(tmp_path / "gpu.lock"), events, 0.4))
+        for _ in range(2)
+    ]
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join(timeout=30)
+    seen = [events.get(timeout=5) for _ in range(4)]
+    assert [kind for kind, _ in seen] == ["in", "out", "in", "out"]
+    assert seen[2][1] >= seen[1][1]
+    assert all(job.exitcode == 0 for job in jobs)
+    assert start_lock_path("0") != start_lock_path("1") != start_lock_path(None)
+    assert start_lock_path("0,1").name == "replaynoise-sglang-start-0_1.lock"
 
 
 def test_transplants_are_refused_by_the_engine_too(stored):

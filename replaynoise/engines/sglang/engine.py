@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,15 @@ from replaynoise.engines.recipes import (
     score_salt,
     stored_rollouts,
 )
-from replaynoise.engines.sglang.launch import SaltedEngine, check_seeded, checked_server_args, children_import_plugin
+from replaynoise.engines.sglang.launch import (
+    SaltedEngine,
+    check_seeded,
+    checked_pool,
+    checked_server_args,
+    children_import_plugin,
+    start_lock,
+    start_lock_path,
+)
 from replaynoise.engines.sglang.plugin import SEEDED
 from replaynoise.progress import Phases
 from replaynoise.settings import EngineSettings
@@ -63,6 +72,7 @@ ENGINE_KEYS = (
     "chunked_prefill_size",
     "disable_cuda_graph",
     "cuda_graph_max_bs_decode",
+    "max_total_tokens",
     "disable_radix_cache",
     "page_size",
     "context_length",
@@ -262,27 +272,31 @@ def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: 
     s = EngineSettings.of(settings)
     with startup("weights check"):
         weights = model_weights_dir(model_dir)
-    with startup("engine build"):
-        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # untempered log-probs, as the other engines record
-        os.environ[SEEDED] = "1" if s.kernels == "stock" else "0"  # SGLang's processes inherit it
-        if ":" in s.device:
-            os.environ.setdefault("CUDA_VISIBLE_DEVICES", s.device.split(":")[1])
+    os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # untempered log-probs, as the other engines record
+    os.environ[SEEDED] = "1" if s.kernels == "stock" else "0"  # SGLang's processes inherit it
+    if ":" in s.device:
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", s.device.split(":")[1])
+    with startup("engine build"):  # outside the queue: imports hold no GPU memory
         import sglang  # the engine's heavy dependency, loaded only when it is built (its own environment)
         from sglang.srt.managers.io_struct import GenerateReqInput
-
-        kwargs = engine_kwargs(settings)
-        log.info("SGLang engine: %s", ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
-        with children_import_plugin():
-            engine = sglang.Engine(model_path=str(weights), tokenizer_path=str(weights), **kwargs)
-        page_size = checked_server_args(engine.server_args, settings)
-        tokenizer = load_tokenizer(weights)
+    with ExitStack() as building:
+        with startup("start queue"):  # other SGLang jobs' builds on this GPU
+            building.enter_context(start_lock(start_lock_path(os.environ.get("CUDA_VISIBLE_DEVICES"))))
+        with startup("engine build"):
+            kwargs = engine_kwargs(settings)
+            log.info("SGLang engine: %s", ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
+            with children_import_plugin():
+                engine = sglang.Engine(model_path=str(weights), tokenizer_path=str(weights), **kwargs)
     salted = SaltedEngine(engine, GenerateReqInput)
-    with startup("seed check"):
-        try:
+    try:
+        page_size = checked_server_args(engine.server_args, settings)
+        checked_pool(engine.get_server_info(), settings)
+        tokenizer = load_tokenizer(weights)
+        with startup("seed check"):
             check_seeded(salted, list(tokenizer("Seeded sampling check.")["input_ids"]))
-        except EngineError:
-            salted.shutdown()  # its processes would hold their share of the GPU until this one exits
-            raise
+    except EngineError:
+        salted.shutdown()  # its processes would hold their share of the GPU until this one exits
+        raise
     return SGLangEngine(
         salted,
         tokenizer,

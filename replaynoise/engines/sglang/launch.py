@@ -4,11 +4,15 @@ checked before any request of the run (docs/sglang.md)."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
+import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from replaynoise.engines.recipes import EngineError
@@ -123,3 +127,43 @@ def checked_server_args(server_args: Any, settings: dict) -> int:
             rows,
         )
     return int(server_args.page_size)
+
+
+def start_lock_path(visible: str | None) -> Path:
+    """One lock file per set of visible GPUs on this machine (``CUDA_VISIBLE_DEVICES``; unset: all of them)."""
+    key = "".join(c if c.isalnum() else "_" for c in (visible or "all"))
+    return Path(tempfile.gettempdir()) / f"replaynoise-sglang-start-{key}.lock"
+
+
+@contextmanager
+def start_lock(path: Path) -> Iterator[None]:
+    """Held while SGLang builds: SGLang sizes its KV pool from the memory free at its start and again after its
+    graph capture, so two engines building at once on one GPU each see the other half-built (issue 55's first lease:
+    three jobs at once, "no GPU memory for the KV cache"). One at a time, each sees the others settled. An OS lock
+    (flock), so a job that dies releases it."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def checked_pool(info: dict, settings: dict) -> int:
+    """The KV pool SGLang built (``Engine.get_server_info()``), in tokens. Its size decides which requests run
+    together, so where ``sglang.max_total_tokens`` fixes it, a smaller pool (SGLang takes the smaller of the key and
+    what the free memory holds, with a warning) would change the batches silently: refused."""
+    if "max_total_num_tokens" not in info:
+        raise EngineError("SGLang's server info names no max_total_num_tokens: its KV pool cannot be checked")
+    pool = int(info["max_total_num_tokens"])
+    s = settings["sglang"]
+    asked = s.get("max_total_tokens")
+    if asked is not None and pool < asked:
+        raise EngineError(
+            f"SGLang built a KV pool of {pool} tokens, fewer than sglang.max_total_tokens {asked}: the GPU memory "
+            f"free at its start (other jobs on the GPU: {os.environ.get('CUDA_VISIBLE_DEVICES', 'all')}) did not "
+            f"hold it at mem_fraction_static {s['mem_fraction_static']}; raise mem_fraction_static or run fewer "
+            "jobs on the GPU at once"
+        )
+    log.info("SGLang's KV pool: %d tokens", pool)
+    return pool

@@ -62,6 +62,12 @@ def check(
             f"config key configs.{name}.sglang.context_length: {s['context_length']} is beyond the {context} "
             f"positions {settings['model']} attends over; lower it or leave it null"
         )
+    pool = s.get("max_total_tokens")
+    if pool is not None and pool <= budget:
+        raise ConfigError(
+            f"config key configs.{name}.sglang.max_total_tokens: a KV pool of {pool} tokens cannot hold one request "
+            f"of a prompt plus {budget} rollout and continuation tokens; raise it or remove it"
+        )
     if s["context_length"] is not None and s["context_length"] <= budget:
         raise ConfigError(
             f"config key configs.{name}.sglang.context_length: {s['context_length']} positions do not hold a "
