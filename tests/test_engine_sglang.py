@@ -35,6 +35,7 @@ from replaynoise.engines.sglang.launch import (
     check_seeded,
     checked_pool,
     checked_server_args,
+    logging_kept,
     start_lock,
     start_lock_path,
 )
@@ -468,6 +469,19 @@ def test_a_kv_pool_smaller_than_the_one_asked_for_stops_the_job():
         checked_pool({"max_total_num_tokens": 699_999}, settings)
     free = validate_config(sglang_config())["configs"]["s"]
     assert checked_pool({"max_total_num_tokens": 12}, free) == 12  # not asked: whatever SGLang built
+
+
+def test_the_jobs_warnings_outlive_sglangs_logging_setup(caplog):
+    """SGLang's configure_logger forces the root logging to its log level (error) in the building process; the
+    engine's later warnings (an unverified row, the KV pool) must still reach the job's log."""
+    log = logging.getLogger("replaynoise.engines.recipes")
+    with caplog.at_level(logging.INFO):
+        with logging_kept():
+            logging.basicConfig(level=logging.ERROR, force=True)  # what SGLang 0.5.16 does
+        log.warning("pivot p a/0: 3 prefix tokens from cache, 9 expected: unverified")
+    assert [r.getMessage() for r in caplog.records] == [
+        "pivot p a/0: 3 prefix tokens from cache, 9 expected: unverified"
+    ]
 
 
 def _hold_start(path: str, events, hold_s: float) -> None:

@@ -55,6 +55,7 @@ from replaynoise.engines.sglang.launch import (
     checked_pool,
     checked_server_args,
     children_import_plugin,
+    logging_kept,
     start_lock,
     start_lock_path,
 )
@@ -285,7 +286,7 @@ def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: 
         with startup("engine build"):
             kwargs = engine_kwargs(settings)
             log.info("SGLang engine: %s", ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
-            with children_import_plugin():
+            with children_import_plugin(), logging_kept():
                 engine = sglang.Engine(model_path=str(weights), tokenizer_path=str(weights), **kwargs)
     salted = SaltedEngine(engine, GenerateReqInput)
     try:

@@ -129,6 +129,21 @@ def checked_server_args(server_args: Any, settings: dict) -> int:
     return int(server_args.page_size)
 
 
+@contextmanager
+def logging_kept() -> Iterator[None]:
+    """While SGLang builds: the logging in place before stays after. SGLang's ``configure_logger`` calls
+    ``logging.basicConfig(level=<its log_level>, force=True)`` in the process that builds it, which replaces the
+    root handlers and, at the engine's ``log_level: error``, silenced every later warning of the job (issue 55's
+    1.5B lease: its logs hold no "unverified" line for the rows they counted unverified)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 def start_lock_path(visible: str | None) -> Path:
     """One lock file per set of visible GPUs on this machine (``CUDA_VISIBLE_DEVICES``; unset: all of them)."""
     key = "".join(c if c.isalnum() else "_" for c in (visible or "all"))
