@@ -5,8 +5,10 @@ problems, logs and timings, compares exact with the whole pairs of draws that fi
 refeed draw r, for r = 1 .. R) and writes its headline tables, ``partial.json`` (the configuration, and which passes
 ran and which the comparison uses) and a manifest. It also keeps each gathered pass's rows, in the columns
 ``ROW_COLUMNS`` names (ids, verification, cache hits, answers, the first step's digest; tokens and log-probs left out
-for size), which cache counts and first-step shares are computed from. ``reference.rebuild`` recomputes such a folder
-as it does a finished one; what needs the rows' tokens or log-probs (the channels, the prefix mismatch) is not there.
+for size), which cache counts and first-step shares are computed from; its comparison records the exact pivots'
+verification and every pass's cache reads from them, as a finished run's does. ``reference.rebuild`` recomputes
+such a folder as it does a finished one; what needs the rows' tokens or log-probs (the channels, the prefix
+mismatch) is not there.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from replaynoise.analysis.comparison import compare_passes
+from replaynoise.analysis.comparison import cache_summary, compare_passes, verification_summary
 from replaynoise.config import analysis_hash, validate_config
 from replaynoise.generation.passes import replicate_pairs, run_passes
 from replaynoise.io import read_json, read_parquet, write_json, write_parquet
@@ -51,6 +53,10 @@ ROW_COLUMNS = (
 )
 
 
+#: the row columns ``cache_summary`` counts a pass's cache reads from
+CACHE_COLUMNS = frozenset({"prefix_source", "prefix_len", "cached_tokens", "expected_cached_tokens", "tail_tokens"})
+
+
 def whole_pairs(present: list[str]) -> list[str]:
     """The passes a comparison of a cut-short run can use: exact and the pairs (replica draw r, refeed draw r) whose
     both draws finished, r = 1 .. R without a gap; a draw whose partner did not finish is left out."""
@@ -68,6 +74,13 @@ def rebuild_partial(reference: Path, out: Path) -> list[Path]:
     credits = {p: read_parquet(reference / "credit" / name / f"{p}.parquet") for p in record["passes_compared"]}
     result = compare_passes(credits, stats)
     result.update(config=name, kernels=config["configs"][name]["kernels"], analysis_hash=analysis_hash(config))
+    # what a finished run's compare step records from its rows, where the kept rows hold it: how many exact pivots
+    # resumed a verified decode-time state, and every pass run's cache reads (the unpaired draws' too)
+    result["verification"] = verification_summary(credits["exact"])
+    kept = [reference / "rows" / name / f"{p}.parquet" for p in record["passes_run"]]
+    rows = {f.stem: read_parquet(f) for f in kept if f.is_file()}
+    if rows and all(set(frame.columns) >= CACHE_COLUMNS for frame in rows.values()):
+        result["prefix_cache"] = cache_summary(rows)
     written = [out / "analysis" / name / "comparison.json"]
     write_json(result, written[0])
     tables = [out / "tables" / f"headline.{ext}" for ext in ("csv", "md", "tex")]

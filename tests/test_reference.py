@@ -19,7 +19,7 @@ from helpers import analysis_settings
 from replaynoise.analysis.comparison import _null_numbers, compare_passes
 from replaynoise.generation.replay import PASS_SCHEMA
 from replaynoise.io import read_manifest, write_json
-from replaynoise.partials import ROW_COLUMNS, whole_pairs
+from replaynoise.partials import ROW_COLUMNS, partial, whole_pairs
 from replaynoise.power import main as power_main
 from replaynoise.provenance import verify_manifest
 from replaynoise.reference import DRIFT_TOLERANCE, channel_data, float_drift, main
@@ -434,6 +434,39 @@ def test_a_run_cut_short_keeps_its_whole_pairs_of_draws_and_agrees_with_the_fini
     assert kept["by_metric"]["sign"]["excess_pp"] == finished["replicated"]["pairs"][0]
     assert kept["per_problem_t"] == finished["per_problem_t"]  # the finished run's unreplicated block: its first pair
     assert main(["rebuild", str(out), str(tmp_path / "again")]) == 0, capsys.readouterr().out
+
+
+def test_a_partial_folder_counts_the_exact_pivots_verified_and_each_pass_s_cache_reads_from_its_kept_rows(tmp_path):
+    """As a finished run's compare step does: ``verification`` from exact's credit table, ``prefix_cache`` from the
+    kept rows of every pass that ran (an unpaired draw's too); rows without the cache columns give no count."""
+    full, name = LADDER / "qwen-1.5b", "qwen2.5-coder-1.5b-vllm"
+    results = tmp_path / "results"
+    (results / "credit" / name).mkdir(parents=True)
+    (results / "passes" / name).mkdir(parents=True)
+    cache = {"prefix_source": "decode_kv", "prefix_len": 9, "cached_tokens": 8, "expected_cached_tokens": 8}
+    for done in ("exact", "replica", "refeed", "replica_r2"):
+        shutil.copy(full / "credit" / name / f"{done}.parquet", results / "credit" / name)
+        short = {**cache, "cached_tokens": 3} if done == "replica_r2" else cache  # one row short of the state
+        rows = pl.DataFrame(
+            [{"pivot_id": "p0", **cache, "tail_tokens": 0}, {"pivot_id": "p1", **short, "tail_tokens": 0}]
+        )
+        rows.write_parquet(results / "passes" / name / f"{done}.parquet")
+    campaign = tmp_path / "qwen-1.5b.yaml"
+    campaign.write_text(json.dumps(json.loads((full / "provenance.json").read_text())["config"]))
+    partial(results, campaign, tmp_path / "kept")
+    result = json.loads((tmp_path / "kept" / "analysis" / name / "comparison.json").read_text())
+    exact = pl.read_parquet(full / "credit" / name / "exact.parquet")
+    assert result["verification"] == {
+        "pivots": exact.height,
+        "verified": int(exact["verified"].sum()),
+        "rate": exact["verified"].mean(),
+    }
+    counted = {p: (c["rows_with_expectation"], c["rows_hit_as_expected"]) for p, c in result["prefix_cache"].items()}
+    assert counted == {"exact": (2, 2), "replica": (2, 2), "refeed": (2, 2), "replica_r2": (2, 1)}
+    for done in ("exact", "replica", "refeed", "replica_r2"):  # rows without the cache columns: no count
+        pl.DataFrame({"pivot_id": ["p0"]}).write_parquet(results / "passes" / name / f"{done}.parquet")
+    partial(results, campaign, tmp_path / "bare")
+    assert "prefix_cache" not in json.loads((tmp_path / "bare" / "analysis" / name / "comparison.json").read_text())
 
 
 def test_the_lease_s_packing_of_a_cut_short_run_keeps_its_folder_the_rows_kept_columns_and_a_clean_log(tmp_path):
