@@ -6,10 +6,13 @@ the exact pass reads the decode-time state, re-feeds miss it, and the determinis
 from __future__ import annotations
 
 import copy
+import fcntl
+import functools
 import importlib
 import importlib.util
 import logging
 import multiprocessing
+import os
 import random
 import runpy
 import subprocess
@@ -17,7 +20,7 @@ import sys
 import time
 import tomllib
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -37,7 +40,6 @@ from replaynoise.engines.sglang.launch import (
     checked_server_args,
     logging_kept,
     start_lock,
-    start_lock_path,
 )
 from replaynoise.machine import platform_problems
 from replaynoise.settings import ConfigError
@@ -460,20 +462,24 @@ def test_a_kv_pool_smaller_than_the_one_asked_for_stops_the_job():
     so unseen): the batches it admits would then differ from the other jobs' of the configuration."""
     asked = validate_config(sglang_config(sglang={"max_total_tokens": 700_000, "mem_fraction_static": 0.55}))
     settings = asked["configs"]["s"]
-    assert checked_pool({"max_total_num_tokens": 700_000}, settings) == 700_000
+    assert checked_pool({"max_total_num_tokens": 700_000}, settings, 1) == 700_000
+    assert checked_pool({"max_total_num_tokens": 699_904}, settings, 128) == 699_904  # whole pages: not short
     with pytest.raises(
         EngineError,
         match=r"KV pool of 699999 tokens, fewer than sglang\.max_total_tokens 700000.*"
         r"mem_fraction_static 0\.55",
     ):
-        checked_pool({"max_total_num_tokens": 699_999}, settings)
+        checked_pool({"max_total_num_tokens": 699_999}, settings, 1)
     free = validate_config(sglang_config())["configs"]["s"]
-    assert checked_pool({"max_total_num_tokens": 12}, free) == 12  # not asked: whatever SGLang built
+    assert checked_pool({"max_total_num_tokens": 12}, free, 1) == 12  # not asked: whatever SGLang built
 
 
-def test_the_jobs_warnings_outlive_sglangs_logging_setup(caplog):
-    """SGLang's configure_logger forces the root logging to its log level (error) in the building process; the
-    engine's later warnings (an unverified row, the KV pool) must still reach the job's log."""
+def test_the_jobs_warnings_outlive_sglangs_logging_setup(caplog, tmp_path):
+    """SGLang's configure_logger forces the root logging to its log level (error) in the building process, closing
+    the handlers it removes; the engine's later warnings (an unverified row, the KV pool) must still reach the job's
+    log, a file opened for writing included (a closed FileHandler of mode 'w' drops every record)."""
+    job_log = logging.FileHandler(tmp_path / "job.log", mode="w")
+    logging.getLogger().addHandler(job_log)
     log = logging.getLogger("replaynoise.engines.recipes")
     with caplog.at_level(logging.INFO):
         with logging_kept():
@@ -482,6 +488,64 @@ def test_the_jobs_warnings_outlive_sglangs_logging_setup(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "pivot p a/0: 3 prefix tokens from cache, 9 expected: unverified"
     ]
+    logging.getLogger().removeHandler(job_log)
+    job_log.close()
+    assert (tmp_path / "job.log").read_text() == "pivot p a/0: 3 prefix tokens from cache, 9 expected: unverified\n"
+
+
+@pytest.mark.parametrize("pool", [1_000, 999])
+def test_build_queues_sglang_checks_its_pool_and_shuts_it_down_when_a_check_fails(monkeypatch, tmp_path, pool):
+    """engine.build over a stand-in for sglang.Engine: the engine is built holding the machine's start lock, its
+    pool is checked against max_total_tokens, and a failed check shuts the built engine down (its processes would
+    otherwise keep their share of the GPU)."""
+    from replaynoise.engines.sglang import launch
+    from replaynoise.progress import Phases
+
+    monkeypatch.setattr(launch, "START_LOCK", tmp_path / "start.lock")
+    seen = []
+
+    class Built:
+        server_args = SimpleNamespace(
+            disable_radix_cache=False, page_size=1, sampling_backend="pytorch", disable_cuda_graph=True
+        )
+
+        def __init__(self, **kwargs):
+            fd = os.open(launch.START_LOCK, os.O_RDONLY)
+            try:  # another descriptor of the lock: refused while the build holds it
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen.append("built unlocked")
+            except BlockingIOError:
+                seen.append(("built locked", kwargs["max_total_tokens"]))
+            finally:
+                os.close(fd)
+
+        def get_server_info(self):
+            return {"max_total_num_tokens": pool}
+
+        def shutdown(self):
+            seen.append("shutdown")
+
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers", "sglang.srt.managers.io_struct"):
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    sys.modules["sglang"].Engine = Built
+    sys.modules["sglang.srt.managers.io_struct"].GenerateReqInput = dict
+    monkeypatch.setattr(sglang_engine, "model_weights_dir", lambda folder: folder)
+    monkeypatch.setattr(sglang_engine, "load_tokenizer", lambda weights: lambda text: {"input_ids": [1, 2]})
+    monkeypatch.setattr(sglang_engine, "check_seeded", lambda engine, ids: seen.append("seed check"))
+    monkeypatch.setattr(sglang_engine, "eos_ids", lambda weights, tokenizer: {0})
+    monkeypatch.setattr(sglang_engine, "stop_token_ids", lambda tokenizer, stop: set())
+    settings = validate_config(sglang_config(kernels="stock", sglang={"max_total_tokens": 1_000}))["configs"]["s"]
+    build = functools.partial(sglang_engine.build, settings, tmp_path, topk=5, threads=1, startup=Phases())
+    if pool < 1_000:
+        with pytest.raises(EngineError, match="KV pool of 999 tokens, fewer than sglang.max_total_tokens 1000"):
+            build()
+        assert seen == [("built locked", 1_000), "shutdown"]
+    else:
+        assert isinstance(build(), SGLangEngine)
+        assert seen == [("built locked", 1_000), "seed check"]
+    fd = os.open(launch.START_LOCK, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after the build, whichever way it ended
+    os.close(fd)
 
 
 def _hold_start(path: str, events, hold_s: float) -> None:
@@ -507,8 +571,9 @@ def test_sglang_engines_on_one_gpu_build_one_at_a_time(tmp_path):
     assert [kind for kind, _ in seen] == ["in", "out", "in", "out"]
     assert seen[2][1] >= seen[1][1]
     assert all(job.exitcode == 0 for job in jobs)
-    assert start_lock_path("0") != start_lock_path("1") != start_lock_path(None)
-    assert start_lock_path("0,1").name == "replaynoise-sglang-start-0_1.lock"
+    (tmp_path / "gpu.lock").chmod(0o444)  # another user's lock file, say: read-only serves
+    _hold_start(str(tmp_path / "gpu.lock"), events, 0.0)
+    assert [events.get(timeout=5)[0] for _ in range(2)] == ["in", "out"]
 
 
 def test_transplants_are_refused_by_the_engine_too(stored):

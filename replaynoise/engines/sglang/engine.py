@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,6 @@ from replaynoise.engines.sglang.launch import (
     children_import_plugin,
     logging_kept,
     start_lock,
-    start_lock_path,
 )
 from replaynoise.engines.sglang.plugin import SEEDED
 from replaynoise.progress import Phases
@@ -281,8 +280,8 @@ def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: 
         import sglang  # the engine's heavy dependency, loaded only when it is built (its own environment)
         from sglang.srt.managers.io_struct import GenerateReqInput
     with ExitStack() as building:
-        with startup("start queue"):  # other SGLang jobs' builds on this GPU
-            building.enter_context(start_lock(start_lock_path(os.environ.get("CUDA_VISIBLE_DEVICES"))))
+        with startup("start queue"):  # other SGLang jobs' builds on this machine
+            building.enter_context(start_lock())
         with startup("engine build"):
             kwargs = engine_kwargs(settings)
             log.info("SGLang engine: %s", ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
@@ -291,18 +290,13 @@ def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: 
     salted = SaltedEngine(engine, GenerateReqInput)
     try:
         page_size = checked_server_args(engine.server_args, settings)
-        checked_pool(engine.get_server_info(), settings)
+        checked_pool(engine.get_server_info(), settings, page_size)
         tokenizer = load_tokenizer(weights)
         with startup("seed check"):
             check_seeded(salted, list(tokenizer("Seeded sampling check.")["input_ids"]))
-    except EngineError:
-        salted.shutdown()  # its processes would hold their share of the GPU until this one exits
+        eos, stops = eos_ids(weights, tokenizer), stop_token_ids(tokenizer, s.stop)
+    except BaseException:
+        with suppress(Exception):  # a failing shutdown must not hide why the build stopped
+            salted.shutdown()  # its processes would hold their share of the GPU until this one exits
         raise
-    return SGLangEngine(
-        salted,
-        tokenizer,
-        eos_ids(weights, tokenizer),
-        topk=topk,
-        page_size=page_size,
-        stop_ids=stop_token_ids(tokenizer, s.stop),
-    )
+    return SGLangEngine(salted, tokenizer, eos, topk=topk, page_size=page_size, stop_ids=stops)

@@ -9,7 +9,6 @@ import importlib.util
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -132,52 +131,59 @@ def checked_server_args(server_args: Any, settings: dict) -> int:
 @contextmanager
 def logging_kept() -> Iterator[None]:
     """While SGLang builds: the logging in place before stays after. SGLang's ``configure_logger`` calls
-    ``logging.basicConfig(level=<its log_level>, force=True)`` in the process that builds it, which replaces the
-    root handlers and, at the engine's ``log_level: error``, silenced every later warning of the job (issue 55's
-    1.5B lease: its logs hold no "unverified" line for the rows they counted unverified)."""
+    ``logging.basicConfig(level=<its log_level>, force=True)`` in the process that builds it, which closes and
+    replaces the root handlers and, at the engine's ``log_level: error``, silenced every later warning of the job
+    (issue 55's 1.5B lease: its logs hold no "unverified" line for the rows they counted unverified). The job's
+    handlers are taken off the root while SGLang builds, so that it has none to close, and put back after."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    for handler in handlers:
+        root.removeHandler(handler)
     try:
         yield
     finally:
-        root.handlers[:] = handlers
+        for handler in root.handlers[:]:
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
         root.setLevel(level)
 
 
-def start_lock_path(visible: str | None) -> Path:
-    """One lock file per set of visible GPUs on this machine (``CUDA_VISIBLE_DEVICES``; unset: all of them)."""
-    key = "".join(c if c.isalnum() else "_" for c in (visible or "all"))
-    return Path(tempfile.gettempdir()) / f"replaynoise-sglang-start-{key}.lock"
+#: one lock for the machine, whatever TMPDIR a job gets (Slurm and containers often give each job its own) and
+#: however CUDA_VISIBLE_DEVICES names its GPU: SGLang builds on one machine take turns, about 30 s each
+START_LOCK = Path("/tmp/replaynoise-sglang-start.lock")
 
 
 @contextmanager
-def start_lock(path: Path) -> Iterator[None]:
+def start_lock(path: Path | None = None) -> Iterator[None]:
     """Held while SGLang builds: SGLang sizes its KV pool from the memory free at its start and again after its
     graph capture, so two engines building at once on one GPU each see the other half-built (issue 55's first lease:
     three jobs at once, "no GPU memory for the KV cache"). One at a time, each sees the others settled. An OS lock
-    (flock), so a job that dies releases it."""
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    (flock) on a descriptor opened read-only, so that another user's lock file serves too and a job that dies
+    releases it (``path``: ``START_LOCK`` unless given)."""
+    fd = os.open(path or START_LOCK, os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
-def checked_pool(info: dict, settings: dict) -> int:
+def checked_pool(info: dict, settings: dict, page_size: int) -> int:
     """The KV pool SGLang built (``Engine.get_server_info()``), in tokens. Its size decides which requests run
     together, so where ``sglang.max_total_tokens`` fixes it, a smaller pool (SGLang takes the smaller of the key and
-    what the free memory holds, with a warning) would change the batches silently: refused."""
+    what the free memory holds, with a warning) would change the batches silently: refused. SGLang rounds the key
+    down to whole pages of ``page_size`` tokens, which is not a shortfall."""
     if "max_total_num_tokens" not in info:
         raise EngineError("SGLang's server info names no max_total_num_tokens: its KV pool cannot be checked")
     pool = int(info["max_total_num_tokens"])
     s = settings["sglang"]
     asked = s.get("max_total_tokens")
-    if asked is not None and pool < asked:
+    if asked is not None and pool < asked // page_size * page_size:
         raise EngineError(
             f"SGLang built a KV pool of {pool} tokens, fewer than sglang.max_total_tokens {asked}: the GPU memory "
-            f"free at its start (other jobs on the GPU: {os.environ.get('CUDA_VISIBLE_DEVICES', 'all')}) did not "
-            f"hold it at mem_fraction_static {s['mem_fraction_static']}; raise mem_fraction_static or run fewer "
+            f"free at its start (GPU {os.environ.get('CUDA_VISIBLE_DEVICES', 'all')}, shared with other jobs) did "
+            f"not hold it at mem_fraction_static {s['mem_fraction_static']}; raise mem_fraction_static or run fewer "
             "jobs on the GPU at once"
         )
     log.info("SGLang's KV pool: %d tokens", pool)
