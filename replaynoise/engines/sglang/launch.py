@@ -155,13 +155,13 @@ START_LOCK = Path("/tmp/replaynoise-sglang-start.lock")
 
 
 @contextmanager
-def start_lock(path: Path | None = None) -> Iterator[None]:
+def start_lock(lock_file: Path | None = None) -> Iterator[None]:
     """Held while SGLang builds: SGLang sizes its KV pool from the memory free at its start and again after its
     graph capture, so two engines building at once on one GPU each see the other half-built (issue 55's first lease:
     three jobs at once, "no GPU memory for the KV cache"). One at a time, each sees the others settled. An OS lock
     (flock) on a descriptor opened read-only, so that another user's lock file serves too and a job that dies
-    releases it (``path``: ``START_LOCK`` unless given)."""
-    fd = os.open(path or START_LOCK, os.O_RDONLY | os.O_CREAT, 0o666)
+    releases it (``lock_file``: ``START_LOCK`` unless given)."""
+    fd = os.open(lock_file or START_LOCK, os.O_RDONLY | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
