@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from replaynoise.analysis.comparison import cache_summary, compare_passes, verification_summary
+from replaynoise.analysis.comparison import CACHE_COLUMNS, cache_summary, compare_passes, verification_summary
 from replaynoise.config import analysis_hash, validate_config
 from replaynoise.generation.passes import replicate_pairs, run_passes
 from replaynoise.io import read_json, read_parquet, write_json, write_parquet
@@ -51,10 +51,6 @@ ROW_COLUMNS = (
     "expected_cached_tokens",
     "tail_tokens",
 )
-
-
-#: the row columns ``cache_summary`` counts a pass's cache reads from
-CACHE_COLUMNS = frozenset({"prefix_source", "prefix_len", "cached_tokens", "expected_cached_tokens", "tail_tokens"})
 
 
 def whole_pairs(present: list[str]) -> list[str]:

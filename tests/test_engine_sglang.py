@@ -433,28 +433,22 @@ def test_the_decode_graphs_bound_sglang_chose_is_logged(caplog):
     ]
 
 
-def test_the_decode_graphs_bound_is_absent_unless_given_and_then_reaches_the_engine():
-    """Absent, SGLang chooses and no earlier run's hash moves; given, it is passed on and enters the hash."""
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("cuda_graph_max_bs_decode", 1024), ("max_total_tokens", 700_000)],
+)
+def test_a_key_added_after_the_first_runs_is_absent_unless_given_and_then_reaches_the_engine(key, value):
+    """Absent, SGLang chooses (its decode-graph bound; a pool sized from free memory) and no earlier run's hash
+    moves; given, it is passed on and enters the hash; a value below 1 or null is refused by key."""
     base = validate_config(sglang_config(kernels="stock"))
-    assert "cuda_graph_max_bs_decode" not in base["configs"]["s"]["sglang"]
-    assert "cuda_graph_max_bs_decode" not in engine_kwargs(base["configs"]["s"])
-    given = validate_config(sglang_config(kernels="stock", sglang={"cuda_graph_max_bs_decode": 1024}))
-    assert engine_kwargs(given["configs"]["s"])["cuda_graph_max_bs_decode"] == 1024
+    assert key not in base["configs"]["s"]["sglang"]
+    assert key not in engine_kwargs(base["configs"]["s"])
+    given = validate_config(sglang_config(kernels="stock", sglang={key: value}))
+    assert engine_kwargs(given["configs"]["s"])[key] == value
     assert analysis_hash(given) != analysis_hash(base)
-    with pytest.raises(ConfigError, match=r"configs\.s\.sglang\.cuda_graph_max_bs_decode"):
-        validate_config(sglang_config(sglang={"cuda_graph_max_bs_decode": 0}))
-    with pytest.raises(ConfigError, match=r"configs\.s\.sglang\.cuda_graph_max_bs_decode"):
-        validate_config(sglang_config(sglang={"cuda_graph_max_bs_decode": None}))
-
-
-def test_the_kv_pool_is_absent_unless_given_and_then_reaches_the_engine():
-    """Absent, SGLang sizes its pool from free memory and no earlier run's hash moves; given, it is passed on."""
-    base = validate_config(sglang_config(kernels="stock"))
-    assert "max_total_tokens" not in base["configs"]["s"]["sglang"]
-    assert "max_total_tokens" not in engine_kwargs(base["configs"]["s"])
-    given = validate_config(sglang_config(kernels="stock", sglang={"max_total_tokens": 700_000}))
-    assert engine_kwargs(given["configs"]["s"])["max_total_tokens"] == 700_000
-    assert analysis_hash(given) != analysis_hash(base)
+    for refused in (0, None):
+        with pytest.raises(ConfigError, match=rf"configs\.s\.sglang\.{key}"):
+            validate_config(sglang_config(sglang={key: refused}))
 
 
 def test_a_kv_pool_smaller_than_the_one_asked_for_stops_the_job():

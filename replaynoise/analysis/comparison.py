@@ -353,6 +353,10 @@ def verification_summary(
     return summary
 
 
+#: the row columns ``cache_summary`` counts a pass's cache reads from
+CACHE_COLUMNS = frozenset({"prefix_source", "prefix_len", "cached_tokens", "expected_cached_tokens", "tail_tokens"})
+
+
 def cache_summary(passes: Mapping[str, pl.DataFrame]) -> dict:
     """Per pass, how much of each prefix came from stored/cached KV and how much was recomputed (the tail).
 
