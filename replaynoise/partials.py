@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from replaynoise.analysis.comparison import CACHE_COLUMNS, cache_summary, compare_passes, verification_summary
+from replaynoise.analysis.comparison import CACHE_COLUMNS, cache_summary, compare_passes
+from replaynoise.analysis.verification import verification_summary
 from replaynoise.config import analysis_hash, validate_config
 from replaynoise.generation.passes import replicate_pairs, run_passes
 from replaynoise.io import read_json, read_parquet, write_json, write_parquet

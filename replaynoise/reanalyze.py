@@ -25,10 +25,11 @@ from pathlib import Path
 
 import polars as pl
 
-from replaynoise.analysis.comparison import compare_passes, verification_summary
+from replaynoise.analysis.comparison import compare_passes
 from replaynoise.analysis.conditionings import PAPER_CONDITIONING
 from replaynoise.analysis.credit import CREDIT_COLUMNS, eligible_expr
 from replaynoise.analysis.probes import PROBE_SCHEMA
+from replaynoise.analysis.verification import verification_summary
 from replaynoise.config import load_schema
 from replaynoise.io import stable_hash, write_json, write_text
 from replaynoise.paper_records import (

@@ -153,6 +153,12 @@ class RolloutSettings:
         )
 
 
+#: the least share of exact's pivots that must resume a verified decode-time state where ``analysis.min_verified``
+#: is absent: exact's rows that miss it are left out of every comparison, and a pass where more than 1% of pivots
+#: miss it is a broken replay, not a measurement (the vLLM and SGLang 1.5B runs verified 99.1% and 99.45%)
+MIN_VERIFIED = 0.99
+
+
 @dataclass(frozen=True)
 class AnalysisSettings:
     """The section-4 comparison's settings (``analysis``, and the root ``seed`` its bootstraps draw from): one
@@ -169,6 +175,8 @@ class AnalysisSettings:
     seed: int
     #: the critical-set thresholds swept (None: the lattice of the run's K values); not a configuration key
     theta_sweep: tuple[float, ...] | None = None
+    #: the least share of exact's pivots that must resume a verified decode-time state (``min_verified``)
+    min_verified: float = MIN_VERIFIED
 
     @classmethod
     def of(cls, analysis: Mapping, seed: int) -> AnalysisSettings:
@@ -181,6 +189,7 @@ class AnalysisSettings:
             margin_split=analysis["margin_split"],
             eligibility=analysis["eligibility"],
             seed=seed,
+            min_verified=float(analysis.get("min_verified", MIN_VERIFIED)),
         )
 
 

@@ -30,7 +30,10 @@ from replaynoise.analysis.paper_stats import (
 )
 from replaynoise.analysis.pooling import POOLED_PROBE_REASON, pool_credit, pooled_comparison
 from replaynoise.analysis.probes import probe_deltas, probe_summary
+from replaynoise.analysis.verification import check_verified
+from replaynoise.config import validate_config
 from replaynoise.report.headline import headline_rows
+from replaynoise.settings import AnalysisSettings
 
 K = 4
 
@@ -689,3 +692,14 @@ def test_probe_channel_bit_exact_p90_and_divergence() -> None:
     res = run(case_credit(), probes=probe_deltas({"exact": _probe_pass(base, drop=True)}))
     assert all(v["recorded"] is False for v in res["probe"].values())
     assert run(case_credit(), probes=deltas)["probe"]["refeed"]["bit_exact_share"] == 0.5
+
+
+def test_a_comparison_stops_where_too_few_exact_pivots_were_verified():
+    assert analysis_settings().min_verified == 0.99  # absent: MIN_VERIFIED
+    given = validate_config({"configs": {"c": {"model": "smollm2-135m"}}, "analysis": {"min_verified": 0.9}})
+    assert AnalysisSettings.of(given["analysis"], 0).min_verified == 0.9
+    check_verified({"pivots": 1097, "verified": 1091, "rate": 1091 / 1097}, 0.99)  # SGLang's 1.5B: 99.45%
+    check_verified({"pivots": 100, "verified": 99, "rate": 0.99}, 0.99)  # at the bound
+    check_verified({"pivots": 0, "verified": 0, "rate": None}, 0.99)  # no pivots: the comparison says so itself
+    with pytest.raises(ValueError, match=r"98 of 100 pivots \(98.00%\), below analysis.min_verified 0.99"):
+        check_verified({"pivots": 100, "verified": 98, "rate": 0.98}, 0.99)

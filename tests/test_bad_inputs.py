@@ -7,10 +7,12 @@ still plans the failed step (and so does one of the default target, whose inputs
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
 
+import polars as pl
 import pytest
 from helpers import PACKAGES, SMOLLM2, SMOLLM2_KEY, TINY, clone_run, planned_rules, seed_model, snakemake, with_setting
 
@@ -234,6 +236,26 @@ def test_a_shard_lost_to_an_interrupted_forcerun_is_rebuilt_by_the_next_plain_ru
 
 
 @pytest.mark.slow  # a pass's jobs again
+def test_too_few_verified_exact_pivots_stop_the_comparison_and_a_lower_bound_reruns_only_the_analysis(run_copy):
+    """An exact pass whose pivots mostly failed to resume the decode-time state is a broken replay: the comparison
+    step fails naming the share and the key (``analysis.min_verified``), and setting the key lower reruns the
+    analysis steps, never a pass."""
+    credit = run_copy / "results" / "credit" / "tiny" / "exact.parquet"
+    table = pl.read_parquet(credit)
+    half = pl.int_range(pl.len()) < pl.len() // 2
+    table.with_columns(verified=pl.col("verified") & ~half, eligible=pl.col("eligible") & ~half).write_parquet(credit)
+    n = table.height
+    target = "results/analysis/tiny/comparison.json"
+    proc = snakemake(run_copy, TINY, target, "--forcerun", "compare_passes", check=False)
+    assert_failed_naming(proc, f"{n - n // 2} of {n} pivots", "below analysis.min_verified 0.99")
+    assert "compare_passes" in planned_rules(run_copy, TINY, target)
+    lower = with_setting(TINY, "analysis.min_verified", 0.4)
+    assert not {"generate_rollouts", "replay_exact", "replay_refeed"} & planned_rules(run_copy, lower)
+    snakemake(run_copy, lower, target)
+    verification = json.loads((run_copy / target).read_text())["verification"]
+    assert (verification["pivots"], verification["verified"]) == (n, n - n // 2)
+
+
 def test_truncated_parquet_fails_the_next_step_naming_the_file(run_copy):
     pivots = run_copy / "results" / "pivots" / "tiny.parquet"
     data = pivots.read_bytes()

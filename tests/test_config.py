@@ -403,6 +403,7 @@ PROTOCOL_CHANGES = {
     "replay.k": 8,
     "replay.passes": ["exact", "replica", "refeed", "selector"],
     "analysis.theta": 0.25,
+    "analysis.min_verified": 0.5,
 }
 
 
@@ -423,6 +424,15 @@ def test_analysis_hash_ignores_figures_and_resources(committed, key, value):
     assert changed != base
     assert analysis_hash(changed) == analysis_hash(base)
     assert deviations(changed) == []
+
+
+def test_min_verified_written_at_its_absent_value_changes_no_hash_and_out_of_range_is_refused(committed):
+    base = validate_config(committed)
+    written = validate_config(with_value(committed, "analysis.min_verified", 0.99))
+    assert "min_verified" not in written["analysis"] and analysis_hash(written) == analysis_hash(base)
+    for bad in (0, 1.5, "all"):
+        with pytest.raises(ConfigError, match="min_verified"):
+            validate_config(with_value(committed, "analysis.min_verified", bad))
 
 
 def test_analysis_hash_independent_of_key_order(committed):

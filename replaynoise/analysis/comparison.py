@@ -314,45 +314,6 @@ def _selection_all(wide: pl.DataFrame, s: AnalysisSettings) -> dict:
     }
 
 
-def verification_summary(
-    exact_credit: pl.DataFrame, refeed_pass: pl.DataFrame | None = None, exact_pass: pl.DataFrame | None = None
-) -> dict:
-    """How many pivots resumed from a verified decode-time state (the paper reports 100%), how many of them a
-    re-step of the last prefix token over the stored KV reproduces bitwise (HF engine: a measured channel of
-    batch variance, not a gate), and how far the re-fed KV moved from it (max |dKV| over layers at the pivot)."""
-    n = exact_credit.height
-    verified = int(exact_credit["verified"].sum()) if n else 0
-    summary: dict = {"pivots": n, "verified": verified, "rate": verified / n if n else None}
-    if exact_pass is not None and "restep_match" in exact_pass.columns:
-        per_pivot = (
-            exact_pass.filter(pl.col("restep_match").is_not_null())
-            .group_by("pivot_id")
-            .agg(pl.col("restep_match").first())
-        )
-        summary["restep"] = (
-            {
-                "pivots": per_pivot.height,
-                "reproduced": int(per_pivot["restep_match"].sum()),
-                "share": float(per_pivot["restep_match"].mean()),
-            }
-            if per_pivot.height
-            else {"recorded": False}
-        )
-    if refeed_pass is not None and "kv_maxdiff" in refeed_pass.columns:
-        per_pivot = (
-            refeed_pass.filter(pl.col("kv_maxdiff").is_not_null())
-            .group_by("pivot_id")
-            .agg(pl.col("kv_maxdiff").first().list.max().alias("m"))
-        )
-        if per_pivot.height:
-            summary["refeed_kv_maxdiff"] = {
-                "median": float(per_pivot["m"].median()),
-                "max": float(per_pivot["m"].max()),
-                "share_nonzero": float((per_pivot["m"] > 0).mean()),
-            }
-    return summary
-
-
 #: the row columns ``cache_summary`` counts a pass's cache reads from
 CACHE_COLUMNS = frozenset({"prefix_source", "prefix_len", "cached_tokens", "expected_cached_tokens", "tail_tokens"})
 
