@@ -12,6 +12,7 @@ of the decoder.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -24,6 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replaynoise.engines.hf.states import bucket  # noqa: E402
 from replaynoise.engines.hf.static import StaticDecoder  # noqa: E402
 
+#: what the Qwen2.5(-Coder) sizes packaged here share: vocabulary, two KV heads, norm, RoPE, tied embeddings
+QWEN25 = functools.partial(
+    Qwen2Config,
+    vocab_size=151936,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
 #: the configurations of the packaged models (their config.json), as (class, config)
 SHAPES = {
     "smollm2-135m": (
@@ -42,17 +52,12 @@ SHAPES = {
     ),
     "qwen2.5-0.5b": (
         Qwen2ForCausalLM,
-        Qwen2Config(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            rms_norm_eps=1e-6,
-            rope_theta=1000000.0,
-            tie_word_embeddings=True,
-        ),
+        QWEN25(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14),
+    ),
+    # Qwen2.5-Coder-1.5B-Instruct's (the ladder's packaged 1.5B; benchmarks/profile_step.py)
+    "qwen2.5-1.5b": (
+        Qwen2ForCausalLM,
+        QWEN25(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12),
     ),
 }
 #: (model, rows, prefix): the H200 pipeline runs' batches (1,024 rows, mean prefix 90) and a longer context
