@@ -154,8 +154,9 @@ class RolloutSettings:
 
 
 #: the least share of exact's pivots that must resume a verified decode-time state where ``analysis.min_verified``
-#: is absent: exact's rows that miss it are left out of every comparison, and a pass where more than 1% of pivots
-#: miss it is a broken replay, not a measurement (the vLLM and SGLang 1.5B runs verified 99.1% and 99.45%)
+#: is absent: exact's pivots that miss it are left out of every comparison, and where more than 1% miss it the
+#: loss is more likely the replay failing than a sample of pivots (the vLLM and SGLang 1.5B runs verified 99.1% and
+#: 99.45%)
 MIN_VERIFIED = 0.99
 
 
