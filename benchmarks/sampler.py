@@ -1,11 +1,12 @@
 """The decode step's sampler alone on a GPU: the two forms of the integer nucleus against the float32 one they replaced.
 
-    PYTHONPATH=. python benchmarks/sampler.py [--rows 64 512] [--vocab 151936] [--out FILE]
+    PYTHONPATH=. python benchmarks/sampler.py [--rows 64 256 512] [--vocab 151936] [--out FILE]
 
 For each batch size: the exhaustive sampler (the one a static decoder captures) with the top-p filter of
 ``sampling.nucleus_by_sorting`` (eager decoders) and of ``nucleus_by_bisection`` (eager, and compiled by inductor as
-a compiled decoder runs it), against the same sampler with the nucleus of a full sort and a float32 cumulative sum
-(the form before, kept here as the baseline).
+a compiled decoder runs it; compiled also with inductor's ``split_reductions`` off, the change issue 56's step profile
+suggests), against the same sampler with the nucleus of a full sort and a float32 cumulative sum (the form before,
+kept here as the baseline).
 Logits are bf16 at three spreads: near-flat (random weights: the nucleus is most of the vocabulary), moderate and
 peaked (a trained model's typical row). Prints and writes milliseconds per call (CUDA events, median of 20 after
 warm-up), the compile time, and how many rows' kept sets differ from a float64 computation's.
@@ -30,9 +31,16 @@ eager_sort = functools.partial(sampling.sample_rows, exhaustive=True, nucleus=sa
 bisecting = functools.partial(sampling.sample_rows, exhaustive=True, nucleus=sampling.nucleus_by_bisection)
 
 
-def compiled(fn):
+def compiled(fn, options: dict | None = None):
     """``fn`` compiled as a compiled decoder compiles its sampler: fixed shapes, one graph."""
-    return torch.compile(fn, dynamic=False, fullgraph=True)
+    return torch.compile(fn, dynamic=False, fullgraph=True, options=options)
+
+
+def bisecting_unsplit(logits, seeds, steps, temperature, top_p):
+    """``bisecting`` under a name of its own, so that its compilation with other inductor settings is its own
+    (issue 56: at 256 rows inductor splits the compiled sampler's per-row reductions, and the split form took 5.2
+    ms where 512 rows took 3.5; benchmarks/results/profile-step-1.5b-2026-12-06/)."""
+    return bisecting(logits, seeds, steps, temperature, top_p)
 
 
 def sorted_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -79,7 +87,7 @@ def median_ms(fn, *args, repeat: int = 20) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[64, 512])
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 256, 512])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=0.95)
@@ -88,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t, p = args.temperature, args.top_p
     compiled_baseline, compiled_new = compiled(baseline_sampler), compiled(bisecting)
+    compiled_unsplit = compiled(bisecting_unsplit, {"split_reductions": False})
     rows_out = []
     for rows in args.rows:
         gen = torch.Generator(device="cuda").manual_seed(rows)
@@ -110,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                     ("float32 cumsum", sorted_nucleus),
                 )
             }
-            same = torch.equal(compiled_new(logits, seeds, steps, t, p), eager_sort(logits, seeds, steps, t, p))
+            sorted_tokens = eager_sort(logits, seeds, steps, t, p)
+            same = torch.equal(compiled_new(logits, seeds, steps, t, p), sorted_tokens)
+            same_unsplit = torch.equal(compiled_unsplit(logits, seeds, steps, t, p), sorted_tokens)
             row = {
                 "rows": rows,
                 "vocab": args.vocab,
@@ -123,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
                     "integer sort eager": median_ms(eager_sort, logits, seeds, steps, t, p),
                     "bisection eager": median_ms(bisecting, logits, seeds, steps, t, p),
                     "bisection compiled": median_ms(compiled_new, logits, seeds, steps, t, p),
+                    "bisection compiled, split_reductions off": median_ms(compiled_unsplit, logits, seeds, steps, t, p),
                 },
                 "first_call_s": compile_s,
                 "rows_off_float64": off,
                 "compiled_bisection_equals_eager_sort": same,
+                "compiled_unsplit_bisection_equals_eager_sort": same_unsplit,
             }
             rows_out.append(row)
             print(json.dumps(row), flush=True)
