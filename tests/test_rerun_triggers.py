@@ -81,6 +81,7 @@ READERS = {
     "analysis.theta": (0.25, ANALYSIS),
     "analysis.n_boot": (60, ANALYSIS),
     "analysis.min_eligible": (2, ANALYSIS),
+    "analysis.min_verified": (0.5, ANALYSIS),
     "analysis.ci": (0.9, ANALYSIS),
     "analysis.metric": ("value", ANALYSIS | {"figure_disagreement_vs_margin"}),
     "analysis.eligibility": ("finished", {"compute_credit"}),
