@@ -3,14 +3,14 @@
 kernels and their cost do not depend on the weights' values), for several row counts at one cache length.
 
     PYTHONPATH=. python benchmarks/profile_step.py [--shape qwen2.5-1.5b] [--rows 256 512 1024] [--length 1088]
-        [--out FILE.json]
+        [--out FILE.json] [--commit SHA]
 
 Why: on the real 1.5B a refilled step of 256 rows took 11.4 ms, as long as one of 512 rows (11.6 ms;
 ``benchmarks/results/real-1.5b-refill-2026-12-06/``), while the step's memory roofline (weights and every row's
 cache read once) is about 3 and 5 ms. Those numbers were decode seconds over decode steps, host work included.
 This separates the captured step's own GPU time (CUDA events around graph replays) from the rest, and splits that
-GPU time by kernel (``torch.profiler``): the sampler's kernels, attention, GEMMs. Needs a CUDA device; no model
-weights, no staging.
+GPU time by kernel (``torch.profiler``): the sampler's kernels, attention, GEMMs. Needs a CUDA device and the
+workflow's packages (on a machine without network: their wheels copied there), no model weights.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.profile_pass import measured  # noqa: E402
 from benchmarks.static_attention import SHAPES  # noqa: E402
 from replaynoise.engines.hf.kernels import compiled_sampler, static_attention  # noqa: E402
 from replaynoise.engines.hf.static import RefillDecoder  # noqa: E402
@@ -43,6 +44,13 @@ GROUPS = [
 
 def group_of(name: str) -> str:
     return next((g for g, pattern in GROUPS if pattern.search(name)), "other")
+
+
+def kernel_ms(prof, calls: int) -> dict[str, float]:
+    """Each kernel's device time per call (of ``calls`` profiled), by name, from a CUDA-only profile."""
+    return {
+        e.key: e.self_device_time_total / 1000.0 / calls for e in prof.key_averages() if e.self_device_time_total > 0
+    }
 
 
 def admitted(model, rows: int, length: int, prefix: int) -> RefillDecoder:
@@ -77,11 +85,7 @@ def measure(model, rows: int, length: int, prefix: int, steps: int, profiled: in
         for _ in range(profiled):
             decoder.step()
         torch.cuda.synchronize()
-    kernels: dict[str, float] = {}
-    for event in prof.key_averages():
-        us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
-        if us > 0 and event.key not in ("cudaGraphLaunch",):
-            kernels[event.key] = kernels.get(event.key, 0.0) + us / 1000.0 / profiled
+    kernels = kernel_ms(prof, profiled)
     groups: dict[str, float] = {}
     for name, ms in kernels.items():
         groups[group_of(name)] = groups.get(group_of(name), 0.0) + ms
@@ -105,7 +109,9 @@ def measure(model, rows: int, length: int, prefix: int, steps: int, profiled: in
 
 def sampler_time(rows: int, vocab: int, calls: int) -> float:
     """The GPU time of the passes' sampler alone (``kernels.compiled_sampler``: Gumbel-max with the top-p filter by
-    bisection, T 0.7, top_p 0.95) on [rows, vocab] float32 logits: its kernels' device time per call."""
+    bisection, T 0.7, top_p 0.95) on [rows, vocab] float32 logits: its kernels' device time per call. The step
+    hands it the head's bf16 logits, so this reads twice the step's logit bytes: a measure of how the sampler's
+    cost moves with rows, not the step's own sampler time (which is among the step's kernels)."""
     sample = compiled_sampler()
     logits = torch.randn(rows, vocab, device="cuda") * 4
     seeds = torch.arange(rows, device="cuda", dtype=torch.int64)
@@ -117,8 +123,7 @@ def sampler_time(rows: int, vocab: int, calls: int) -> float:
         for _ in range(calls):
             sample(logits, seeds, steps, 0.7, 0.95)
         torch.cuda.synchronize()
-    total = sum(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0) for e in prof.key_averages())
-    return total / 1000.0 / calls
+    return sum(kernel_ms(prof, calls).values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--profiled", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--commit", default=None, help="the commit measured, where the code's folder is no git clone")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py times CUDA graphs: it needs a CUDA device")
@@ -151,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {k['ms']:8.3f} ms  {k['kernel'][:120]}", flush=True)
     report = {
         "shape": args.shape,
+        **measured(args.commit),
         "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
         "attention": static_attention(),
         "results": results,
     }
