@@ -109,12 +109,12 @@ def layer_out(h, o, ow, ob, ln, gw, gb, uw, ub, dw, db, eps: float, fp32: bool, 
     return h + linear(F.silu(linear(x, gw, gb, fp32)) * linear(x, uw, ub, fp32), dw, db, fp32)
 
 
-def compile_fixed(fn):
-    """``fn`` compiled by inductor for fixed shapes; where compilation fails, the eager ``fn`` (same math) from
-    then on, for those non-tensor arguments (a sampler's temperature and top_p) only: which kernels a call uses
-    then depends on its own arguments, never on which calls this process happened to make before.
-    ``.eager`` holds the argument sets that fell back."""
-    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+def compile_fixed(fn, options: dict | None = None):
+    """``fn`` compiled by inductor for fixed shapes (``options``: inductor's settings); where compilation fails,
+    the eager ``fn`` (same math) from then on, for those non-tensor arguments (a sampler's temperature and top_p)
+    only: which kernels a call uses then depends on its own arguments, never on which calls this process happened
+    to make before. ``.eager`` holds the argument sets that fell back."""
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
 
     def run(*args):
         key = tuple(a for a in args if not isinstance(a, torch.Tensor))
@@ -159,12 +159,20 @@ def bisecting_sampler(logits, seeds, steps, temperature, top_p):
     return sample_rows(logits, seeds, steps, temperature, top_p, exhaustive=True, nucleus=nucleus_by_bisection)
 
 
+#: inductor's settings for the compiled sampler: its reductions over the vocabulary (the row's best score, the
+#: nucleus's integer sums, the argmax) left whole. Inductor splits them where rows are few, and at the 1.5B's shape
+#: that made a 256-row step cost about what a 512-row one does: on one H100, 12.31 ms against 8.06 unsplit, while
+#: 512 and 1,024 rows were unchanged (benchmarks/results/profile-step-1.5b-2026-12-07/). Max, integer sums and
+#: argmax are exact in any order, so no token depends on it.
+SAMPLER_INDUCTOR = {"split_reductions": False}
+
+
 @functools.cache
 def compiled_sampler():
     """The exhaustive sampler fused by inductor, once per process: the noise in one pass over the logits (no
     [rows, vocab] int64 temporaries: at 512 rows x 151936 tokens each would be 620 MB of memory traffic per step),
     the top-p filter by bisection (a few fused passes instead of a sort of the vocabulary; the same tokens)."""
-    return compile_fixed(bisecting_sampler)
+    return compile_fixed(bisecting_sampler, SAMPLER_INDUCTOR)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
