@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from replaynoise.analysis.comparison import CACHE_COLUMNS, cache_summary, compare_passes
-from replaynoise.analysis.verification import verification_summary
+from replaynoise.analysis.verification import check_verified, verification_summary
 from replaynoise.config import analysis_hash, validate_config
 from replaynoise.generation.passes import replicate_pairs, run_passes
 from replaynoise.io import read_json, read_parquet, write_json, write_parquet
@@ -74,6 +74,7 @@ def rebuild_partial(reference: Path, out: Path) -> list[Path]:
     # what a finished run's compare step records from its rows, where the kept rows hold it: how many exact pivots
     # resumed a verified decode-time state, and every pass run's cache reads (the unpaired draws' too)
     result["verification"] = verification_summary(credits["exact"])
+    check_verified(result["verification"], stats.min_verified)  # as a finished run's compare step stops
     kept = [reference / "rows" / name / f"{p}.parquet" for p in record["passes_run"]]
     rows = {f.stem: read_parquet(f) for f in kept if f.is_file()}
     if rows and all(set(frame.columns) >= CACHE_COLUMNS for frame in rows.values()):
@@ -89,7 +90,9 @@ def rebuild_partial(reference: Path, out: Path) -> list[Path]:
 def partial(results: Path, campaign: Path, reference: Path, note: str = "") -> list[Path]:
     """Keep a cut-short run of ``campaign`` (its one configuration) from ``results`` as the partial reference folder
     ``reference``: what finished (``PARTIAL_PARTS``, the passes' rows in ``ROW_COLUMNS``), ``partial.json``, the
-    comparison of the whole pairs of draws, its tables and a manifest. Returns the files written."""
+    comparison of the whole pairs of draws, its tables and a manifest. Returns the files written. Refused, before
+    anything is written, where exact verified fewer pivots than ``analysis.min_verified`` asks, as the workflow's
+    compare step refuses a finished run."""
     results, reference = Path(results), Path(reference)
     config = validate_config(yaml.safe_load(Path(campaign).read_text()))
     if len(config["configs"]) != 1:
@@ -100,6 +103,8 @@ def partial(results: Path, campaign: Path, reference: Path, note: str = "") -> l
     planned = run_passes(config["replay"])
     present = [p for p in planned if (results / "credit" / name / f"{p}.parquet").is_file()]
     compared = whole_pairs(present)
+    stats = AnalysisSettings.of(config["analysis"], config["seed"])
+    check_verified(verification_summary(read_parquet(results / "credit" / name / "exact.parquet")), stats.min_verified)
     check_destination(reference, [results], "partial")
     if reference.exists() and any(reference.iterdir()):
         raise ValueError(f"{reference}: not empty; partial writes a new folder")

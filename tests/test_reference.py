@@ -469,6 +469,31 @@ def test_a_partial_folder_counts_the_exact_pivots_verified_and_each_pass_s_cache
     assert "prefix_cache" not in json.loads((tmp_path / "bare" / "analysis" / name / "comparison.json").read_text())
 
 
+def test_a_partial_folder_is_refused_where_exact_verified_too_few_pivots_as_the_compare_step_is(tmp_path):
+    """``analysis.min_verified`` holds for a cut-short run as for a finished one: with half of exact's pivots
+    unverified, ``partial`` names the share and the key and writes nothing; the campaign's key lowered, it keeps the
+    folder, and that folder rebuilds."""
+    full, name = LADDER / "qwen-1.5b", "qwen2.5-coder-1.5b-vllm"
+    results = tmp_path / "results"
+    (results / "credit" / name).mkdir(parents=True)
+    for done in ("replica", "refeed"):
+        shutil.copy(full / "credit" / name / f"{done}.parquet", results / "credit" / name)
+    exact = pl.read_parquet(full / "credit" / name / "exact.parquet")
+    half = pl.int_range(pl.len()) % 2 == 0
+    exact.with_columns(verified=pl.col("verified") & half).write_parquet(results / "credit" / name / "exact.parquet")
+    config = json.loads((full / "provenance.json").read_text())["config"]
+    campaign = tmp_path / "qwen-1.5b.yaml"
+    campaign.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"for \d+ of 1105 pivots \(\d+\.\d+%\), below analysis.min_verified 0.99"):
+        partial(results, campaign, tmp_path / "kept")
+    assert not (tmp_path / "kept").exists()
+    campaign.write_text(json.dumps({**config, "analysis": {**config["analysis"], "min_verified": 0.4}}))
+    partial(results, campaign, tmp_path / "kept")
+    verification = json.loads((tmp_path / "kept" / "analysis" / name / "comparison.json").read_text())["verification"]
+    assert 0.4 <= verification["rate"] < 0.99
+    assert main(["rebuild", str(tmp_path / "kept"), str(tmp_path / "again")]) == 0
+
+
 def test_the_lease_s_packing_of_a_cut_short_run_keeps_its_folder_the_rows_kept_columns_and_a_clean_log(tmp_path):
     """benchmarks/h200-partial.sh, as a lease runs it on a campaign's working directory: the partial folder, each
     pass's rows with only the columns reference/ keeps, and the Snakemake log without its progress bars."""
