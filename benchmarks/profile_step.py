@@ -20,6 +20,7 @@ import json
 import re
 import statistics
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -86,9 +87,9 @@ def measure(model, rows: int, length: int, prefix: int, steps: int, profiled: in
             decoder.step()
         torch.cuda.synchronize()
     kernels = kernel_ms(prof, profiled)
-    groups: dict[str, float] = {}
+    groups: defaultdict[str, float] = defaultdict(float)
     for name, ms in kernels.items():
-        groups[group_of(name)] = groups.get(group_of(name), 0.0) + ms
+        groups[group_of(name)] += ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
     vocab = model.config.vocab_size
     del decoder
