@@ -1,14 +1,14 @@
-"""The decode step's sampler alone on a GPU: the two forms of the integer nucleus against the float32 one they replaced.
+"""The decode step's sampler alone on a GPU: the forms of the integer nucleus against the float32 one they replaced.
 
-    PYTHONPATH=. python benchmarks/sampler.py [--rows 64 256 512] [--vocab 151936] [--out FILE]
+    PYTHONPATH=. python benchmarks/sampler.py [--rows 64 256 512] [--ways 2 4 8 16] [--vocab 151936] [--out FILE]
 
 For each batch size: the exhaustive sampler (the one a static decoder captures) with the top-p filter of
-``sampling.nucleus_by_sorting`` (eager decoders) and of ``nucleus_by_bisection`` (eager, compiled as a compiled
-decoder compiles it, with ``kernels.SAMPLER_INDUCTOR``, and compiled with inductor's default settings, which split
-its reductions where rows are few) and of the candidate ``nucleus_by_search`` (16-ary, compiled as the engine's),
-against the same sampler with the nucleus of a full sort and a float32 cumulative sum (the form before, kept here
-as the baseline; where inductor cannot compile it, as torch 2.11's split scan at 256 rows, its compiled time is null
-and the error is recorded).
+``sampling.nucleus_by_sorting`` (eager decoders), of ``nucleus_by_bisection`` (eager, and compiled with inductor's
+default settings, which split its reductions where rows are few) and of ``nucleus_by_search`` at each of ``--ways``
+(compiled as a compiled decoder compiles it, with ``kernels.SAMPLER_INDUCTOR``; the engine's is
+``kernels.SAMPLER_WAYS``, 2 ways being the bisection), against the same sampler with the nucleus of a full sort and
+a float32 cumulative sum (the form before, kept here as the baseline; where inductor cannot compile it, as torch
+2.11's split scan at 256 rows, its compiled time is null and the error is recorded).
 Logits are bf16 at three spreads: near-flat (random weights: the nucleus is most of the vocabulary), moderate and
 peaked (a trained model's typical row). Prints and writes milliseconds per call (CUDA events, median of 20 after
 warm-up), the compile time, and how many rows' kept sets differ from a float64 computation's.
@@ -34,6 +34,18 @@ eager_sort = functools.partial(sampling.sample_rows, exhaustive=True, nucleus=sa
 bisecting = functools.partial(sampling.sample_rows, exhaustive=True, nucleus=sampling.nucleus_by_bisection)
 
 
+def searching(ways: int):
+    """The exhaustive sampler with a ``ways``-ary threshold search. Every form shares this code, and dynamo guards its
+    compiled frames on ``ways`` (a closure's cell), so each compiles as itself."""
+
+    def sampler(logits, seeds, steps, temperature, top_p):
+        nucleus = functools.partial(sampling.nucleus_by_search, ways=ways)
+        return sampling.sample_rows(logits, seeds, steps, temperature, top_p, exhaustive=True, nucleus=nucleus)
+
+    sampler.__name__ = sampler.__qualname__ = f"searching_{ways}"
+    return sampler
+
+
 def compiled(fn, options: dict | None = None):
     """``fn`` compiled as a compiled decoder compiles its sampler: fixed shapes, one graph."""
     return torch.compile(fn, dynamic=False, fullgraph=True, options=options)
@@ -45,39 +57,6 @@ def bisecting_split(logits, seeds, steps, temperature, top_p):
     split reductions took 4.69 ms of the 1.5B's step at 256 rows where 512 rows took 2.96
     (benchmarks/results/profile-step-1.5b-2026-12-06/)."""
     return bisecting(logits, seeds, steps, temperature, top_p)
-
-
-def search_passes(ways: int) -> int:
-    """The passes a ``ways``-ary search needs to narrow the weights' bit patterns (0 to 0x3F800000, as the
-    bisection's bounds) to one level: each pass keeps one of ``ways`` intervals of at most ceil(width / ways)."""
-    width, passes = 0x3F800001, 0
-    while width > 1:
-        width, passes = -(-width // ways), passes + 1
-    return passes
-
-
-def nucleus_by_search(scores: torch.Tensor, top_p: float, ways: int = 16) -> torch.Tensor:
-    """The candidate after ``nucleus_by_bisection`` (issue 56): the same threshold, found ``ways``-ary. Each pass
-    takes ways - 1 masked integer sums over the row, which inductor can fuse into one read, so 8 passes of 15 sums
-    (at 16 ways) stand for the bisection's 30 reads of a row too long to stay on chip. Its sums and its bounds are
-    the bisection's, so it keeps exactly the same tokens (``tests/test_benchmarks.py``)."""
-    weight, fixed, limit = sampling._nucleus_terms(scores, top_p)
-    level = weight.view(torch.int32).to(torch.int64)
-    # the bisection's invariant: the mass strictly above level `low` reaches the limit, above `high` it does not
-    low = torch.full_like(limit, -1, dtype=torch.int64)
-    high = torch.full_like(limit, 0x3F800000, dtype=torch.int64)
-    for _ in range(search_passes(ways)):
-        width, new_low, new_high = high - low, low, high
-        for j in range(1, ways):
-            mid = low + width * j // ways
-            short = torch.where(level > mid, fixed, 0).sum(dim=-1, keepdim=True) < limit
-            new_high = torch.minimum(new_high, torch.where(short, mid, high))
-            new_low = torch.maximum(new_low, torch.where(short, low, mid))
-        low, high = new_low, new_high
-    return scores.masked_fill(level < high, float("-inf"))
-
-
-searching = functools.partial(sampling.sample_rows, exhaustive=True, nucleus=nucleus_by_search)
 
 
 def sorted_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -135,6 +114,7 @@ def median_ms(fn, *args, repeat: int = 20) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 256, 512])
+    ap.add_argument("--ways", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=0.95)
@@ -143,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t, p = args.temperature, args.top_p
     compiled_baseline, compiled_split = compiled(baseline_sampler), compiled(bisecting_split)
-    compiled_engine = compiled(kernels.bisecting_sampler, kernels.SAMPLER_INDUCTOR)
-    compiled_search = compiled(searching, kernels.SAMPLER_INDUCTOR)
+    torch._dynamo.config.cache_size_limit = 64  # every form at every batch size, none falling back to eager
+    compiled_search = {w: compiled(searching(w), kernels.SAMPLER_INDUCTOR) for w in args.ways}
+    compiled_engine = kernels.compiled_sampler()
     rows_out = []
     for rows in args.rows:
         gen = torch.Generator(device="cuda").manual_seed(rows)
@@ -170,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             sorted_tokens = eager_sort(logits, seeds, steps, t, p)
             same = torch.equal(compiled_engine(logits, seeds, steps, t, p), sorted_tokens)
             same_split = torch.equal(compiled_split(logits, seeds, steps, t, p), sorted_tokens)
-            same_search = torch.equal(compiled_search(logits, seeds, steps, t, p), sorted_tokens)
+            first_s, same_search = {}, {}
+            for w, fn in compiled_search.items():
+                start = time.perf_counter()
+                same_search[w] = torch.equal(fn(logits, seeds, steps, t, p), sorted_tokens)
+                torch.cuda.synchronize()
+                first_s[w] = time.perf_counter() - start
             row = {
                 "rows": rows,
                 "vocab": args.vocab,
@@ -184,17 +170,20 @@ def main(argv: list[str] | None = None) -> int:
                     else median_ms(compiled_baseline, logits, seeds, steps, t, p),
                     "integer sort eager": median_ms(eager_sort, logits, seeds, steps, t, p),
                     "bisection eager": median_ms(bisecting, logits, seeds, steps, t, p),
-                    "bisection compiled (the engine's)": median_ms(compiled_engine, logits, seeds, steps, t, p),
+                    "the engine's (kernels.compiled_sampler)": median_ms(compiled_engine, logits, seeds, steps, t, p),
                     "bisection compiled, inductor's default": median_ms(compiled_split, logits, seeds, steps, t, p),
-                    "16-ary search compiled (the engine's settings)": median_ms(
-                        compiled_search, logits, seeds, steps, t, p
-                    ),
+                    **{
+                        f"{w}-ary search compiled (the engine's settings)": median_ms(fn, logits, seeds, steps, t, p)
+                        for w, fn in compiled_search.items()
+                    },
                 },
+                "engine_ways": kernels.SAMPLER_WAYS,
                 "engine_inductor_options": kernels.SAMPLER_INDUCTOR,
                 "float32_cumsum_compile_error": baseline_error,
                 "first_call_s": compile_s,
+                "search_first_call_s": first_s,
                 "rows_off_float64": off,
-                "compiled_bisection_equals_eager_sort": same,
+                "compiled_engine_equals_eager_sort": same,
                 "compiled_split_bisection_equals_eager_sort": same_split,
                 "compiled_search_equals_eager_sort": same_search,
             }

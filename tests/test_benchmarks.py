@@ -1,7 +1,6 @@
 """The benchmarks read what the library logs: the two must agree on the lines' form, or a GPU lease measures
 nothing. And the roofline arithmetic of benchmarks/scale.py, checked against a published parameter count, and the
-test-suite timeline of benchmarks/suite_times.py, and the candidate nucleus benchmarks/sampler.py times beside the
-engine's: a faster sampler is worth timing only if it keeps the same tokens."""
+test-suite timeline of benchmarks/suite_times.py."""
 
 from __future__ import annotations
 
@@ -10,15 +9,12 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-import torch
 
-from replaynoise.engines import sampling
 from replaynoise.progress import Phases, TokenProgress
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import mutants  # noqa: E402
 import pipeline  # noqa: E402
-import sampler  # noqa: E402
 import scale  # noqa: E402
 import suite_times  # noqa: E402
 
@@ -181,20 +177,3 @@ def test_every_mutant_breaks_text_the_tree_holds_once_and_names_tests_that_exist
         for test in tests:
             path, func = test.split("::")
             assert f"def {func}(" in (root / path).read_text(), f"{name}: no {test}"
-
-
-@pytest.mark.parametrize("ways", [2, 4, 16])
-def test_the_candidate_nucleus_keeps_exactly_the_bisection_s_tokens(ways):
-    """``sampler.nucleus_by_search`` narrows the bisection's bounds ``ways``-ary in ``search_passes`` passes (at two
-    ways, the bisection's own 30 steps): over flat, moderate and peaked rows, ties and top_p from 0.1 to 0.999 it
-    keeps the very tokens of both library forms."""
-    assert sampler.search_passes(2) == sampling._THRESHOLD_STEPS
-    gen = torch.Generator().manual_seed(ways)
-    for spread in (0.01, 2.0, 6.0, 20.0):
-        scores = torch.randn(6, 3001, generator=gen) * spread
-        scores[0, :1500] = scores[0, 0]  # a tie across half the row
-        scores[1, :] = 0.0  # a flat row
-        for top_p in (0.1, 0.5, 0.95, 0.999):
-            kept = sampler.nucleus_by_search(scores, top_p, ways)
-            assert torch.equal(kept, sampling.nucleus_by_bisection(scores, top_p))
-            assert torch.equal(kept, sampling.nucleus_by_sorting(scores, top_p))

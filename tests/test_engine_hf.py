@@ -4,6 +4,7 @@ the tiny model, where they take a second rather than a minute."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -362,11 +363,16 @@ def test_sampler_noise_is_per_row_and_the_pruned_form_is_exact():
     assert torch.allclose(torch.bincount(tokens, minlength=4) / 20000, torch.softmax(logits[0], 0), atol=0.01)
 
 
-def test_both_nucleus_forms_keep_the_exact_nucleus_and_ties_together():
-    """Both forms of the top-p filter keep exactly the tokens a float64 computation keeps (every token whose
-    strictly better tokens hold less than top_p), with ties kept whole; a float32 cumulative sum over the sorted
-    row, the usual form, moves the edge by several tokens per row over a long tail."""
-    from replaynoise.engines.sampling import nucleus_by_bisection, nucleus_by_sorting
+def test_every_nucleus_form_keeps_the_exact_nucleus_and_ties_together():
+    """Every form of the top-p filter (the sort, and the threshold's search at 2 ways, the bisection, and at 3, 4
+    and 16 ways, as the compiled sampler runs it) keeps exactly the tokens a float64 computation keeps (every
+    token whose strictly better tokens hold less than top_p), with ties kept whole; a float32 cumulative sum over
+    the sorted row, the usual form, moves the edge by several tokens per row over a long tail."""
+    from replaynoise.engines.sampling import nucleus_by_bisection, nucleus_by_search, nucleus_by_sorting, search_passes
+
+    forms = {"sorting": nucleus_by_sorting, "bisection": nucleus_by_bisection}
+    forms |= {f"{w} ways": functools.partial(nucleus_by_search, ways=w) for w in (3, 4, 16)}
+    assert [search_passes(w) for w in (2, 3, 4, 16)] == [30, 19, 15, 8]
 
     def float64_dropped(scores, top_p):
         probs = torch.softmax(scores.double(), dim=-1)
@@ -383,15 +389,18 @@ def test_both_nucleus_forms_keep_the_exact_nucleus_and_ties_together():
         (30.0, 0.9, torch.float32),
         (2.0, 0.95, torch.bfloat16),
         (6.0, 0.95, torch.bfloat16),
+        (2.0, 0.1, torch.float32),
     ):
         # bf16 logits, as a bf16 model's, hold many equal values: the nucleus's edge often cuts a tie
         scores = (torch.randn(8, 3000, generator=gen) * scale).to(dtype).to(torch.float32)
+        scores[0, :1500] = scores[0, 0]  # a tie across half the row
+        scores[1, :] = 0.0  # a flat row
         expected = float64_dropped(scores, top_p)
-        for form in (nucleus_by_bisection, nucleus_by_sorting):
+        for name, form in forms.items():
             kept = torch.isfinite(form(scores, top_p))
-            assert torch.equal(~kept, expected), (form.__name__, scale, top_p, dtype)
+            assert torch.equal(~kept, expected), (name, scale, top_p, dtype)
             assert kept.sum(-1).min() >= 1
-    for form in (nucleus_by_bisection, nucleus_by_sorting):
+    for form in forms.values():
         # four equal tokens, each 0.25 of the mass: a 0.3 nucleus keeps all of them, not the first two
         assert torch.isfinite(form(torch.zeros(1, 4), 0.3)).all()
         scores = torch.tensor([[2.0, 1.0, 1.0, -5.0]])

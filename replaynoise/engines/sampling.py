@@ -53,9 +53,6 @@ def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 #: Fixed-point scale of the nucleus weights: a row of up to 2**21 tokens sums below 2**63 in int64.
 _WEIGHT_BITS = 42
-#: Bisection steps that pin the nucleus's threshold to one float32 value: the bit patterns of weights in [0, 1]
-#: span [0, 0x3F800000], under 2**30 values.
-_THRESHOLD_STEPS = 30
 
 
 def _nucleus_terms(scores: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]:
@@ -82,21 +79,46 @@ def nucleus_by_sorting(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(weight < ordered.gather(-1, last), float("-inf"))
 
 
-def nucleus_by_bisection(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``nucleus_by_sorting``'s tokens without a sort: the threshold is found by bisection over the float32 bit
-    patterns of the weights, each step one masked integer sum per row. For compiled code, where inductor fuses
-    each step into one read of the row (on a GPU several times faster than a sort of the vocabulary); eager, each
-    step makes [rows, vocab] temporaries and is slower than the sort."""
+#: The bit patterns of weights in [0, 1] span [0, 0x3F800000], under 2**30 values: the nucleus's threshold is one
+#: of them, and every search for it starts from these bounds.
+_LOW, _HIGH = -1, 0x3F800000
+
+
+def search_passes(ways: int) -> int:
+    """The passes a ``ways``-ary search needs to pin the threshold to one float32 value: each pass keeps one of
+    ``ways`` intervals of at most ceil(width / ways) (30 at 2 ways, 8 at 16)."""
+    width, passes = _HIGH - _LOW, 0
+    while width > 1:
+        width, passes = -(-width // ways), passes + 1
+    return passes
+
+
+def nucleus_by_search(scores: torch.Tensor, top_p: float, ways: int) -> torch.Tensor:
+    """``nucleus_by_sorting``'s tokens without a sort: the threshold is found by a ``ways``-ary search over the
+    float32 bit patterns of the weights, each pass ways - 1 masked integer sums per row. For compiled code, where
+    inductor fuses a pass's sums into one read of the row (on a GPU several times faster than a sort of the
+    vocabulary), so more ways mean fewer reads of a row too long to stay on chip; eager, each sum makes
+    [rows, vocab] temporaries and is slower than the sort. Every sum is exact, so any number of ways keeps the
+    same tokens."""
     weight, fixed, limit = _nucleus_terms(scores, top_p)
     level = weight.view(torch.int32).to(torch.int64)  # monotone in the weight, for weights >= 0
     # invariant: the mass strictly above level `low` reaches the limit, above `high` it does not (none is above 1.0)
-    low = torch.full_like(limit, -1, dtype=torch.int64)
-    high = torch.full_like(limit, 0x3F800000, dtype=torch.int64)
-    for _ in range(_THRESHOLD_STEPS):
-        mid = (low + high) // 2
-        short = torch.where(level > mid, fixed, 0).sum(dim=-1, keepdim=True) < limit
-        high, low = torch.where(short, mid, high), torch.where(short, low, mid)
+    low = torch.full_like(limit, _LOW, dtype=torch.int64)
+    high = torch.full_like(limit, _HIGH, dtype=torch.int64)
+    for _ in range(search_passes(ways)):
+        width, new_low, new_high = high - low, low, high
+        for j in range(1, ways):
+            mid = low + width * j // ways
+            short = torch.where(level > mid, fixed, 0).sum(dim=-1, keepdim=True) < limit
+            new_high = torch.minimum(new_high, torch.where(short, mid, high))
+            new_low = torch.maximum(new_low, torch.where(short, low, mid))
+        low, high = new_low, new_high
     return scores.masked_fill(level < high, float("-inf"))
+
+
+def nucleus_by_bisection(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``nucleus_by_search`` at two ways: 30 passes of one sum."""
+    return nucleus_by_search(scores, top_p, 2)
 
 
 #: The noise is bounded (u in [2**-24, 1 - 2**-24]): a token whose score is this far below the row's best score
@@ -122,7 +144,7 @@ def sample_rows(
     By default the noise is computed only for the tokens that can still win (scores within the noise's span of
     the row's best), which gives the same token as the exhaustive form at a fraction of the memory traffic;
     ``exhaustive=True`` computes it over the whole vocabulary, with static shapes (for CUDA graphs).
-    ``nucleus`` is either form of the top-p filter: the same tokens, by a sort or (compiled code) by bisection."""
+    ``nucleus`` is any form of the top-p filter: the same tokens, by a sort or (compiled code) by a search."""
     if temperature <= 0:
         return torch.argmax(logits, dim=-1)
     scores = logits.to(torch.float32) / temperature
