@@ -157,7 +157,7 @@ def eager_sampler(logits, seeds, steps, temperature, top_p):
 
 #: Ways of the compiled sampler's threshold search (``sampling.nucleus_by_search``): 16 ways take 8 reads of each
 #: row where a bisection takes 30. Any number keeps the same tokens.
-SAMPLER_WAYS = 16
+SAMPLER_WAYS = 4
 
 
 def searching_nucleus(scores, top_p):
