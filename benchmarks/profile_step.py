@@ -109,10 +109,11 @@ def measure(model, rows: int, length: int, prefix: int, steps: int, profiled: in
 
 
 def sampler_time(rows: int, vocab: int, calls: int) -> float:
-    """The GPU time of the passes' sampler alone (``kernels.compiled_sampler``: Gumbel-max with the top-p filter by
-    bisection, T 0.7, top_p 0.95) on [rows, vocab] float32 logits: its kernels' device time per call. The step
-    hands it the head's bf16 logits, so this reads twice the step's logit bytes: a measure of how the sampler's
-    cost moves with rows, not the step's own sampler time (which is among the step's kernels)."""
+    """The GPU time of the passes' sampler alone (``kernels.compiled_sampler``: Gumbel-max with the top-p filter's
+    threshold search at ``kernels.SAMPLER_WAYS`` ways, T 0.7, top_p 0.95) on [rows, vocab] float32 logits: its
+    kernels' device time per call. The step hands it the head's bf16 logits, so this reads twice the step's logit
+    bytes: a measure of how the sampler's cost moves with rows, not the step's own sampler time (which is among the
+    step's kernels)."""
     sample = compiled_sampler()
     logits = torch.randn(rows, vocab, device="cuda") * 4
     seeds = torch.arange(rows, device="cuda", dtype=torch.int64)

@@ -29,7 +29,7 @@ from benchmarks.profile_pass import measured
 from replaynoise.engines import sampling
 from replaynoise.engines.hf import kernels
 
-#: the two samplers a static decoder captures: eager decoders sort, compiled ones bisect (``engines.kernels``)
+#: the eager sampler a static decoder captures (it sorts), and the bisection run eagerly (compiled decoders search)
 eager_sort = functools.partial(sampling.sample_rows, exhaustive=True, nucleus=sampling.nucleus_by_sorting)
 bisecting = functools.partial(sampling.sample_rows, exhaustive=True, nucleus=sampling.nucleus_by_bisection)
 
