@@ -373,6 +373,8 @@ def test_every_nucleus_form_keeps_the_exact_nucleus_and_ties_together():
     forms = {"sorting": nucleus_by_sorting, "bisection": nucleus_by_bisection}
     forms |= {f"{w} ways": functools.partial(nucleus_by_search, ways=w) for w in (3, 4, 16)}
     assert [search_passes(w) for w in (2, 3, 4, 16)] == [30, 19, 15, 8]
+    with pytest.raises(ValueError, match="at least 2 ways, not 1"):
+        search_passes(1)
 
     def float64_dropped(scores, top_p):
         probs = torch.softmax(scores.double(), dim=-1)

@@ -87,6 +87,8 @@ _LOW, _HIGH = -1, 0x3F800000
 def search_passes(ways: int) -> int:
     """The passes a ``ways``-ary search needs to pin the threshold to one float32 value: each pass keeps one of
     ``ways`` intervals of at most ceil(width / ways) (30 at 2 ways, 8 at 16)."""
+    if ways < 2:  # one way never narrows the interval
+        raise ValueError(f"a threshold search needs at least 2 ways, not {ways}")
     width, passes = _HIGH - _LOW, 0
     while width > 1:
         width, passes = -(-width // ways), passes + 1
