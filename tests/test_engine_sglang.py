@@ -427,10 +427,24 @@ def test_the_decode_graphs_bound_sglang_chose_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="replaynoise.engines.sglang.launch"):
         checked_server_args(built, settings)
         checked_server_args(SimpleNamespace(**{**built.__dict__, "disable_cuda_graph": True}), settings)
-    assert [r.getMessage() for r in caplog.records] == [
+    messages = [r.getMessage() for r in caplog.records if not r.getMessage().startswith("SGLang chose:")]
+    assert messages == [
         "SGLang captures decode CUDA graphs for batches of up to 256 rows (sglang.cuda_graph_max_bs_decode); larger "
         "batches decode without them"
     ]
+
+
+def test_what_sglang_resolved_by_gpu_is_logged_at_every_build(caplog):
+    """The attention backends, chunked prefill and scheduling SGLang chose (issue 55: two leases of one campaign on
+    other cards gave other rates, and the later one's log no longer held SGLang's own server_args line)."""
+    settings = validate_config(sglang_config())["configs"]["s"]
+    built = SimpleNamespace(disable_radix_cache=False, page_size=1, sampling_backend="pytorch", disable_cuda_graph=True)
+    built.attention_backend, built.chunked_prefill_size, built.max_running_requests = "fa3", 8192, None
+    with caplog.at_level(logging.INFO, logger="replaynoise.engines.sglang.launch"):
+        checked_server_args(built, settings)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("SGLang chose: attention_backend='fa3', prefill_attention_backend='absent', ")
+    assert "chunked_prefill_size=8192" in line and "max_running_requests=None" in line
 
 
 @pytest.mark.parametrize(
@@ -544,9 +558,9 @@ def test_build_queues_sglang_checks_its_pool_and_shuts_it_down_when_a_check_fail
 
 def _hold_start(path: str, events, hold_s: float) -> None:
     with start_lock(Path(path)):
-        events.put(("in", time.monotonic()))
+        events.put(("in", time.monotonic(), os.getpid()))
         time.sleep(hold_s)
-        events.put(("out", time.monotonic()))
+        events.put(("out", time.monotonic(), os.getpid()))
 
 
 def test_sglang_engines_on_one_gpu_build_one_at_a_time(tmp_path):
@@ -561,9 +575,12 @@ def test_sglang_engines_on_one_gpu_build_one_at_a_time(tmp_path):
         job.start()
     for job in jobs:
         job.join(timeout=30)
-    seen = [events.get(timeout=5) for _ in range(4)]
-    assert [kind for kind, _ in seen] == ["in", "out", "in", "out"]
-    assert seen[2][1] >= seen[1][1]
+    # in the order the events happened, not the order they reached the queue: each process's feeder thread sends
+    # its "out" after put() returns, which can be after the lock is released and the other's "in" is sent (the
+    # suite on two busy cores got them crossed once)
+    seen = sorted((events.get(timeout=5) for _ in range(4)), key=lambda event: event[1])
+    assert [kind for kind, _, _ in seen] == ["in", "out", "in", "out"]
+    assert seen[0][2] == seen[1][2] != seen[2][2] == seen[3][2]  # one job in and out, then the other
     assert all(job.exitcode == 0 for job in jobs)
     (tmp_path / "gpu.lock").chmod(0o444)  # another user's lock file, say: read-only serves
     _hold_start(str(tmp_path / "gpu.lock"), events, 0.0)

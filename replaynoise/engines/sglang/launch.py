@@ -94,6 +94,21 @@ def children_import_plugin() -> Iterator[None]:
         main.__spec__ = saved
 
 
+#: what SGLang resolves by GPU and model where the settings leave it open, and which decides a pass's kernels and
+#: batches: logged at every build, since SGLang's own server_args line no longer reaches the job's log
+#: (``logging_kept``), and two leases of one campaign on other cards gave other rates (reference/gpu-sglang/README.md)
+RESOLVED = (
+    "attention_backend",
+    "prefill_attention_backend",
+    "decode_attention_backend",
+    "chunked_prefill_size",
+    "max_prefill_tokens",
+    "max_running_requests",
+    "schedule_policy",
+    "mem_fraction_static",
+)
+
+
 def checked_server_args(server_args: Any, settings: dict) -> int:
     """What SGLang made of the settings once built, where it overrides them by GPU: its radix cache must be on (its
     deterministic mode turns it off where it picks flashinfer, on Blackwell for one), its sampler the one that takes
@@ -116,6 +131,10 @@ def checked_server_args(server_args: Any, settings: dict) -> int:
             server_args.page_size,
             settings["sglang"]["page_size"],
         )
+    log.info(
+        "SGLang chose: %s",
+        ", ".join(f"{key}={getattr(server_args, key, 'absent')!r}" for key in RESOLVED),
+    )
     decode = getattr(getattr(server_args, "cuda_graph_config", None), "decode", None)
     rows = getattr(decode, "max_bs", None)
     if rows is not None and not server_args.disable_cuda_graph:
