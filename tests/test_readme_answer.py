@@ -21,6 +21,9 @@ ROWS = {
     ("vLLM", "Qwen2.5-Coder-1.5B, batch-invariant"): "gpu-vllm/ladder/qwen-invariant",
     ("SGLang", "Qwen2.5-Coder-0.5B, stock, vLLM's problems"): "gpu-sglang/qwen-0.5b-vllm-problems",
     ("SGLang", "Qwen2.5-Coder-1.5B, stock, vLLM's problems"): "gpu-sglang/qwen-1.5b-vllm-problems",
+    ("SGLang", "Qwen2.5-Coder-1.5B, stock, vLLM's problems, an earlier lease"): (
+        "gpu-sglang/qwen-1.5b-vllm-problems-2026-12-06"
+    ),
     ("SGLang", "Qwen2.5-Coder-0.5B, stock, its own screen"): "gpu-sglang/qwen-0.5b",
     ("SGLang", "Qwen2.5-Coder-0.5B, deterministic"): "gpu-sglang/qwen-0.5b-deterministic",
 }

@@ -539,6 +539,10 @@ CONTRASTS = {
         "reference/gpu-sglang/qwen-0.5b-vllm-problems",
         "reference/gpu-vllm/ladder/qwen-0.5b",
     ),
+    "reference/gpu-sglang/sglang-vs-vllm-1.5b.md": (
+        "reference/gpu-sglang/qwen-1.5b-vllm-problems",
+        "reference/gpu-vllm/ladder/qwen-1.5b",
+    ),
 }
 
 
