@@ -57,9 +57,12 @@ def gpu_reservation_gib(settings: Mapping) -> int:
 
 
 #: configuration keys that only the HF engine reads (absent unless given): another engine refuses them
-HF_ONLY_KEYS = ("static_rows",)
+HF_ONLY_KEYS = ("static_rows", "compile_rollouts")
 #: configuration keys that only the passes read (the rollouts' step is not given them, so a change reruns the passes)
 PASS_ONLY_KEYS = ("static_rows",)
+#: configuration keys that only the rollouts' step reads (the passes' steps are not given them, so their settings
+#: name what they read)
+ROLLOUT_ONLY_KEYS = ("compile_rollouts",)
 
 
 def refuse_hf_only_keys(name: str, settings: Mapping) -> None:
@@ -89,6 +92,8 @@ class EngineSettings:
     invariant_context: int | None
     #: the most rows of a stock static continuation decoder (``static_rows``; absent: a batch's own)
     static_rows: int | None = None
+    #: the stock static rollout decoder's layers compiled by inductor (``compile_rollouts``; absent: eager)
+    compile_rollouts: bool = False
 
     @classmethod
     def of(cls, settings: Mapping) -> EngineSettings:
@@ -103,6 +108,7 @@ class EngineSettings:
             invariant_rows=settings.get("invariant_rows"),
             invariant_context=settings.get("invariant_context"),
             static_rows=settings.get("static_rows"),
+            compile_rollouts=bool(settings.get("compile_rollouts", False)),
         )
 
 

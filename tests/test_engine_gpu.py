@@ -67,6 +67,29 @@ def test_exact_resume_is_bitwise_on_gpu_and_refeed_is_not(model, tmp_path):
     assert any(x.next_digest != y.next_digest for x, y in zip(a, b))
 
 
+def test_compiled_rollouts_store_the_kv_they_decoded_and_exact_resumes_it_bitwise(model, tmp_path):
+    """compile_rollouts: the rollout decoder's layers and sampler compiled inside its captured step. The prompt's KV
+    and the first token come from the batched prefill, as with eager layers (bitwise); the stored KV is the one the
+    compiled step decoded, so exact resumes it verified and twice alike (replica equals exact)."""
+    compiled = engine(model, "stock", compile_rollouts=True)
+    r, requests = rollout_and_requests(compiled, tmp_path / "c")
+    ((key, decoder),) = compiled.forwards.decoders.items()
+    assert key[3] and decoder.compiled
+    eager, _ = rollout_and_requests(engine(model, "stock"), tmp_path / "e")
+    assert r.response_ids[0] == eager.response_ids[0] and r.logits_digests[0] == eager.logits_digests[0]
+    from replaynoise.engines.hf.kvfiles import load_kv_file
+
+    p = len(r.prompt_ids)
+    kc, ke = (load_kv_file(x.kv_file, device="cpu")[0][0][0] for x in (r, eager))
+    assert torch.equal(kc[..., :p, :], ke[..., :p, :])
+    exact = [compiled.prefix_state(q, "decode_kv") for q in requests]
+    assert all(s.verified for s in exact)
+    a = compiled.run_batch(requests, "decode_kv", SAMPLING)
+    b = compiled.run_batch(requests, "decode_kv", SAMPLING)
+    assert [(x.token_ids, x.next_digest) for x in a] == [(y.token_ids, y.next_digest) for y in b]
+    assert all(x.verified for x in a)
+
+
 @pytest.mark.parametrize("decode", ["auto", "dynamic"])  # auto: the batched invariant decoder (CUDA graphs)
 def test_invariant_mode_is_bitwise_identical_across_passes_on_gpu(model, tmp_path, decode):
     eng = engine(model, "invariant", decode, invariant_rows=8, invariant_context=256)

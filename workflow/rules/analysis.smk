@@ -41,7 +41,7 @@ rule cross_score:
         gpu_gib=gpu_gib,
     params:
         code=code_version("cross_score"),
-        settings=settings,
+        settings=pass_settings,
         seed=config["seed"],
         batch_size=config["replay"]["batch_size"],
         topk=config["pivots"]["topk"],

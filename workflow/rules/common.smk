@@ -33,6 +33,7 @@ from replaynoise.io import stable_hash  # noqa: E402
 from replaynoise.provenance import source_digest  # noqa: E402
 from replaynoise.settings import (  # noqa: E402
     PASS_ONLY_KEYS,
+    ROLLOUT_ONLY_KEYS,
     compute_threads,
     cross_scoring,
     gpu_reservation_gib,
@@ -257,6 +258,11 @@ def rollout_settings(wildcards):
     """A configuration's settings but those the passes alone read: changing one reruns the passes, not the
     rollouts."""
     return {key: value for key, value in settings(wildcards).items() if key not in PASS_ONLY_KEYS}
+
+
+def pass_settings(wildcards):
+    """A configuration's settings but those the rollouts' step alone reads: a pass's step is given what it reads."""
+    return {key: value for key, value in settings(wildcards).items() if key not in ROLLOUT_ONLY_KEYS}
 
 
 def pass_priority(pass_name):

@@ -29,7 +29,7 @@ for _pass in RUN_PASSES:
         params:
             code=code_version("replay_pass"),
             pass_name=_pass,
-            settings=settings,
+            settings=pass_settings,
             seed=config["seed"],
             # the replay block but for its list of passes and other passes' sample sizes: adding a pass (a
             # control), or resizing another's sample, reruns no other pass

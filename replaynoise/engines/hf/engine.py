@@ -39,7 +39,7 @@ from replaynoise.engines.hf.cpu_matmul import use_fp32_matmul
 from replaynoise.engines.hf.forwards import Forwards
 from replaynoise.engines.hf.invariant_modes import Aligned, ByToken
 from replaynoise.engines.hf.kernels import static_attention, static_decode_supported
-from replaynoise.engines.hf.kvfiles import save_kv
+from replaynoise.engines.hf.kvfiles import KVLayers, PinnedRows, save_kv
 from replaynoise.engines.hf.modes import Dynamic, Static
 from replaynoise.engines.hf.states import IO_THREADS, PrefixState, transplant
 from replaynoise.io import file_in
@@ -77,6 +77,8 @@ class HFOptions:
     graphs: bool = True
     #: the most rows a stock static continuation decoder holds, refilled as rows end (None: a batch's own)
     static_rows: int | None = None
+    #: compile the stock static rollout decoder's layers and sampler (as the passes' are), not only capture them
+    compile_rollouts: bool = False
 
 
 class HFEngine:
@@ -104,11 +106,16 @@ class HFEngine:
         self.stop_ids = set(o.stop_ids)
         self.eos_ids = eos_token_ids(model.generation_config, tokenizer) | self.stop_ids
         invariant = kernels == "invariant"
-        if o.static_rows is not None and (invariant or decode != "static"):
-            raise ValueError(
-                f"static_rows {o.static_rows}: sizes the stock static decoder, and this engine decodes with kernels "
-                f"{kernels!r}, decode {decode!r} (auto is static only on CUDA, for the model families it supports)"
-            )
+        given_keys = (
+            (o.static_rows is not None, f"static_rows {o.static_rows}: sizes"),
+            (o.compile_rollouts, "compile_rollouts: compiles"),
+        )
+        for given, what in given_keys:
+            if given and (invariant or decode != "static"):
+                raise ValueError(
+                    f"{what} the stock static decoder, and this engine decodes with kernels {kernels!r}, decode "
+                    f"{decode!r} (auto is static only on CUDA, for the model families it supports)"
+                )
         self.forwards = Forwards(
             self.model,
             eos_ids=self.eos_ids,
@@ -118,6 +125,7 @@ class HFEngine:
             cache_gib=o.cache_gib,
         )
         self.stored, self.phases = self.forwards.stored, self.forwards.phases
+        self.pinned = PinnedRows()  # the rollouts' kept KV on its way to their files
         if invariant:  # one decoder shape for the configuration's rollouts and every pass
             self.mode = (
                 Aligned(self.forwards, o.invariant_rows, o.invariant_context)
@@ -125,7 +133,11 @@ class HFEngine:
                 else ByToken(self.forwards)
             )
         else:
-            self.mode = Static(self.forwards, o.static_rows) if decode == "static" else Dynamic(self.forwards)
+            self.mode = (
+                Static(self.forwards, o.static_rows, compile_rollouts=o.compile_rollouts)
+                if decode == "static"
+                else Dynamic(self.forwards)
+            )
 
     # ----------------------------------------------------------------------------------------- prefix states
     def prefix_state(self, req: ContinuationRequest, source: str | PrefixSource) -> PrefixState:
@@ -260,15 +272,23 @@ class HFEngine:
         """All requests as one batch, generated as the mode generates; each row's own, unpadded decode-time KV is
         stored as far as its pivots need (``keep_len``), with the token ids it was computed from."""
         rows = self.mode.generate(requests, sampling)
+        kept: list[tuple[RolloutRequest, Rollout, int, KVLayers | torch.Tensor]] = []
+        for req, (rollout, layers) in zip(requests, rows):
+            keep = min(keep_len(rollout), layers[0][0].shape[-2])
+            if keep > 0:
+                kept.append((req, rollout, keep, layers))
+        stacked = [layers for *_, layers in kept if isinstance(layers, torch.Tensor)]
+        if self.device.type == "cuda" and kept and len(stacked) == len(kept):
+            with self.phases("KV to host"):  # one stacked tensor a row (the static decoders): into pinned memory
+                hosts = self.pinned.copy([layers[..., :keep, :] for (_, _, keep, _), layers in zip(kept, stacked)])
+                kept = [(req, rollout, keep, host) for (req, rollout, keep, _), host in zip(kept, hosts)]
         with self.phases("store KV"), ThreadPoolExecutor(IO_THREADS) as pool:
             saving = []
-            for req, (rollout, layers) in zip(requests, rows):
-                keep = min(keep_len(rollout), layers[0][0].shape[-2])
-                if keep > 0:
-                    path = file_in(kv_dir, f"{req.key}.safetensors")
-                    ids = (rollout.prompt_ids + rollout.response_ids)[:keep]
-                    saving.append((rollout, pool.submit(save_kv, layers, keep, path, ids=ids)))
-                    rollout.kv_file, rollout.kv_len = str(path), keep
+            for req, rollout, keep, layers in kept:
+                path = file_in(kv_dir, f"{req.key}.safetensors")
+                ids = (rollout.prompt_ids + rollout.response_ids)[:keep]
+                saving.append((rollout, pool.submit(save_kv, layers, keep, path, ids=ids)))
+                rollout.kv_file, rollout.kv_len = str(path), keep
             for rollout, sha in saving:
                 rollout.kv_sha256 = sha.result()
         return [rollout for rollout, _ in rows]
@@ -298,6 +318,7 @@ def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: 
                 cpu_matmul=s.cpu_matmul,
                 stop_ids=frozenset(stop_token_ids(tokenizer, s.stop)),
                 static_rows=s.static_rows,
+                compile_rollouts=s.compile_rollouts,
                 **shape,
             ),
         )

@@ -81,6 +81,32 @@ def save_kv(layers: KVLayers | torch.Tensor, keep: int, path: Path, ids: list[in
     return digest.hexdigest()
 
 
+class PinnedRows:
+    """Rows' kept KV copied from the GPU into one page-locked host buffer, allocated once per engine and grown as
+    needed: the copies run back to back at the link's speed, with no pageable bounce and no device-side copy per
+    file, and the files are then written from host memory. Pinning is paid once per job, not per batch (a
+    batch's files are written before the next batch copies over them). Tensors off the GPU pass through."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def copy(self, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not views or views[0].device.type != "cuda":
+            return views
+        total, dtype = sum(v.numel() for v in views), views[0].dtype
+        if self.buffer is None or self.buffer.dtype != dtype or self.buffer.numel() < total:
+            self.buffer = None  # the old one freed before a larger one is pinned
+            self.buffer = torch.empty(total, dtype=dtype, pin_memory=True)
+        out, start = [], 0
+        for view in views:
+            host = self.buffer[start : start + view.numel()].view(view.shape)
+            host.copy_(view, non_blocking=True)
+            out.append(host)
+            start += view.numel()
+        torch.cuda.current_stream(views[0].device).synchronize()
+        return out
+
+
 def load_kv(path: str | Path, expected_sha256: str | None = None, *, device: torch.device | str) -> KVLayers:
     """Load a stored cache; a file whose checksum or structure is wrong raises an error naming it."""
     return load_kv_file(path, expected_sha256, device=device)[0]

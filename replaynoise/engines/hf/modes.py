@@ -162,10 +162,12 @@ class Dynamic(DecodeMode):
 class Static(Dynamic):
     name = "static"
 
-    def __init__(self, forwards: Forwards, rows: int | None = None) -> None:
+    def __init__(self, forwards: Forwards, rows: int | None = None, *, compile_rollouts: bool = False) -> None:
         super().__init__(forwards)
         #: the most rows a continuation decoder holds (``static_rows``; None: a batch's own, rounded up)
         self.rows = rows
+        #: the rollout decoder's layers compiled (``compile_rollouts``); else eager inside its captured graph
+        self.compile_rollouts = compile_rollouts
 
     def continue_rows(
         self, requests: list[ContinuationRequest], states: list[PrefixState], sampling: SamplingSettings
@@ -233,10 +235,10 @@ class Static(Dynamic):
             stacked = stack_layers(cache_layers(cache))
             layers = [stacked[:, :, r : r + 1, :, longest - len(p) :] for r, p in enumerate(prompts)]
         with f.phases("load states"):
-            # not compiled: a rollout job decodes one batch, and compiling the layer body costs seconds in every
-            # job, more than a short decode takes (docs/performance.md). No pass needs the rollouts' kernels:
-            # exact resumes from the stored KV, whatever computed it.
-            decoder = f.decoder(n, bucket(longest + steps + 1), compiled=False)
+            # eager layers unless compile_rollouts: compiling costs seconds per batch shape in every job, which a
+            # short decode does not repay (docs/performance.md). No pass needs the rollouts' kernels: exact
+            # resumes from the stored KV, whatever computed it.
+            decoder = f.decoder(n, bucket(longest + steps + 1), compiled=self.compile_rollouts)
             decoder.load(
                 layers,
                 [len(p) for p in prompts],

@@ -36,14 +36,19 @@ def derive(name: str, settings: dict, replay: dict) -> None:
 
 
 def check(name: str, settings: dict, **_: Any) -> None:
-    """``static_rows`` sizes the stock static decoder alone: with invariant kernels (``invariant_rows``) or a
-    dynamic decode (``decode: dynamic``, or ``auto`` on the CPU) it would change nothing, so it is refused."""
-    if "static_rows" not in settings:
-        return
-    if settings["kernels"] != "stock" or not decodes_statically(settings):
+    """``static_rows`` and ``compile_rollouts`` shape the stock static decoder alone: with invariant kernels
+    (``invariant_rows``) or a dynamic decode (``decode: dynamic``, or ``auto`` on the CPU) they would change
+    nothing, so they are refused; so is ``compile_rollouts`` on the CPU, where nothing is compiled."""
+    for key, what in (("static_rows", "sizes"), ("compile_rollouts", "compiles")):
+        if key in settings and (settings["kernels"] != "stock" or not decodes_statically(settings)):
+            raise ConfigError(
+                f"config key configs.{name}.{key}: {what} the stock static decoder, and this configuration "
+                f"decodes with kernels {settings['kernels']!r} and decode {settings['decode']!r} on "
+                f"{settings['device']!r} (invariant kernels take invariant_rows; decode static, or auto on a GPU, "
+                "is the static decoder); remove it"
+            )
+    if settings.get("compile_rollouts") and settings["device"] == "cpu":
         raise ConfigError(
-            f"config key configs.{name}.static_rows: sizes the stock static decoder, and this configuration "
-            f"decodes with kernels {settings['kernels']!r} and decode {settings['decode']!r} on "
-            f"{settings['device']!r} (invariant kernels take invariant_rows; decode static, or auto on a GPU, "
-            "is the static decoder); remove it"
+            f"config key configs.{name}.compile_rollouts: compiles the static decoder's CUDA step, and this "
+            "configuration runs on 'cpu', where the decoder runs eagerly; remove it"
         )
