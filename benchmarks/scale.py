@@ -28,7 +28,6 @@ from pathlib import Path
 
 import polars as pl
 import torch
-import yaml
 from pipeline import rows_for
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -36,6 +35,7 @@ from replaynoise.config import validate_config
 from replaynoise.data.models import PACKAGED_MODELS, prepared_model_key
 from replaynoise.data.preparation import prepare_model
 from replaynoise.io import read_json, write_json
+from replaynoise.overlays import load_campaign
 from replaynoise.provenance import git_commit, hardware
 
 #: The measured peaks of the lent H200 (bf16 dense matmul, HBM read), the denominators of every fraction below.
@@ -276,9 +276,9 @@ def report(run: Path, configfile: Path, out: Path | None, commit: str | None = N
     if provenance.is_file():
         config = read_json(provenance)["config"]
     else:
-        text = configfile.read_text()
+        raw = load_campaign(configfile.resolve())  # an overlay with its base, as the run read it
         with contextlib.chdir(run):  # where the run's relative model paths resolve
-            config = validate_config(yaml.safe_load(text))
+            config = validate_config(raw)
     rows = rows_for(run, config)
     shapes = {}
     for row in rows:

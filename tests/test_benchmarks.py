@@ -9,6 +9,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from helpers import REPO
 
 from replaynoise.progress import Phases, TokenProgress
 
@@ -177,3 +178,18 @@ def test_every_mutant_breaks_text_the_tree_holds_once_and_names_tests_that_exist
         for test in tests:
             path, func = test.split("::")
             assert f"def {func}(" in (root / path).read_text(), f"{name}: no {test}"
+
+
+def test_the_report_reads_an_overlay_with_its_base(tmp_path):
+    """benchmarks/configs/rollouts-7b-4batches.yaml is an overlay: the report validated it alone and failed on the
+    lent machine ('configs' is a required property); it must read it merged over its base, as the run did."""
+    model = tmp_path / "run" / "shapes" / "m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"")
+    (model / "tokenizer.json").write_text("{}")
+    base = REPO / "benchmarks" / "configs" / "rollouts-7b.yaml"
+    (tmp_path / "base.yaml").write_text(base.read_text().replace("shapes/qwen2.5-7b", "shapes/m"))
+    (tmp_path / "overlay.yaml").write_text("overlay_of: base.yaml\ndataset: {n_problems: 32}\n")
+    record = scale.report(tmp_path / "run", tmp_path / "overlay.yaml", None)
+    assert record["rows"] == [] and set(record["vllm_settings"]) == {"q7b-vllm"}

@@ -285,38 +285,43 @@ class _Step:
             for r in range(job.rollouts.per_problem)
         ]
         spans = {}  # the answer span, computed once: keep_len needs it before the record does
+        phases = self.engine.phases  # host work on the rows, timed apart from the engine's own phases
 
         def keep_len(r: Rollout) -> int:
             if r.problem_id not in self.own:
                 return 0  # another shard's row, generated only for its batch's sake: nothing kept
-            span = spans[(r.problem_id, r.rollout)] = answer_token_span(tokenizer, r.response_ids)
-            _, chosen = rollout_pivots(
-                {
-                    "problem_id": r.problem_id,
-                    "rollout": r.rollout,
-                    "prompt_ids": r.prompt_ids,
-                    "response_ids": r.response_ids,
-                    "topk_ids": r.topk_ids,
-                    "topk_logprobs": r.topk_logprobs,
-                    "special_ids": self.special,
-                    "answer_span": span,
-                },
-                job.rules,
-                job.seed,
-                job.config_name,
-            )
+            with phases("choose pivots"):
+                span = spans[(r.problem_id, r.rollout)] = answer_token_span(tokenizer, r.response_ids)
+                _, chosen = rollout_pivots(
+                    {
+                        "problem_id": r.problem_id,
+                        "rollout": r.rollout,
+                        "prompt_ids": r.prompt_ids,
+                        "response_ids": r.response_ids,
+                        "topk_ids": r.topk_ids,
+                        "topk_logprobs": r.topk_logprobs,
+                        "special_ids": self.special,
+                        "answer_span": span,
+                    },
+                    job.rules,
+                    job.seed,
+                    job.config_name,
+                )
             return len(r.prompt_ids) + max(chosen) if chosen else 0
 
         records = []
-        for rollout in self.engine.generate_rollouts(requests, job.sampling, work_kv, keep_len):
-            if rollout.problem_id not in self.own:
-                continue
-            key = (rollout.problem_id, rollout.rollout)
-            span = spans[key] if key in spans else answer_token_span(tokenizer, rollout.response_ids)
-            record = rollout_record(rollout, tokenizer, self.by_id[rollout.problem_id]["gold"], span, self.special)
-            if record["kv_file"]:
-                record["kv_file"] = str(Path(kv_dir) / Path(record["kv_file"]).name)
-            records.append(record)
+        generated = self.engine.generate_rollouts(requests, job.sampling, work_kv, keep_len)
+        with phases("records"):
+            for rollout in generated:
+                if rollout.problem_id not in self.own:
+                    continue
+                key = (rollout.problem_id, rollout.rollout)
+                span = spans[key] if key in spans else answer_token_span(tokenizer, rollout.response_ids)
+                gold = self.by_id[rollout.problem_id]["gold"]
+                record = rollout_record(rollout, tokenizer, gold, span, self.special)
+                if record["kv_file"]:
+                    record["kv_file"] = str(Path(kv_dir) / Path(record["kv_file"]).name)
+                records.append(record)
         return records
 
 
