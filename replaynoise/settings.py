@@ -57,7 +57,7 @@ def gpu_reservation_gib(settings: Mapping) -> int:
 
 
 #: configuration keys that only the HF engine reads (absent unless given): another engine refuses them
-HF_ONLY_KEYS = ("static_rows", "compile_rollouts")
+HF_ONLY_KEYS = ("static_rows", "compile_rollouts", "static_attention")
 #: configuration keys that only the passes read (the rollouts' step is not given them, so a change reruns the passes)
 PASS_ONLY_KEYS = ("static_rows",)
 #: configuration keys that only the rollouts' step reads (the passes' steps are not given them, so their settings
@@ -94,6 +94,8 @@ class EngineSettings:
     static_rows: int | None = None
     #: the stock static rollout decoder's layers compiled by inductor (``compile_rollouts``; absent: eager)
     compile_rollouts: bool = False
+    #: the stock static decoders' attention (``static_attention``; absent: the run's default)
+    static_attention: str | None = None
 
     @classmethod
     def of(cls, settings: Mapping) -> EngineSettings:
@@ -109,6 +111,7 @@ class EngineSettings:
             invariant_context=settings.get("invariant_context"),
             static_rows=settings.get("static_rows"),
             compile_rollouts=bool(settings.get("compile_rollouts", False)),
+            static_attention=settings.get("static_attention"),
         )
 
 

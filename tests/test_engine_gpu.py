@@ -217,3 +217,70 @@ def test_refilled_decode_replays_its_graph_bitwise_and_matches_the_eager_step(mo
         assert x.verified
         assert x.token_ids == y.token_ids == z.token_ids
         assert x.next_digest == y.next_digest == z.next_digest
+
+
+def fa3_missing() -> str | None:
+    """Why FlashAttention 3 cannot run here (None where it can: a Hopper GPU and vLLM's wheel)."""
+    from replaynoise.engines.hf.flash import fa3_forward
+
+    try:
+        fa3_forward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_fa3_attends_over_each_rows_live_slots_whatever_its_batch_mates():
+    """``attend_flash`` reads the decoders' [rows, kv_heads, slots, dim] buffers as they are: its output is the
+    ``gemm`` attention's over [first, end) to bf16 rounding, with loud values in the dead slots (a misread slot
+    would show), and a row's output is bitwise the same beside other rows (one split a row)."""
+    if why := fa3_missing():
+        pytest.skip(why)
+    from replaynoise.engines.hf.flash import attend_flash
+    from replaynoise.engines.hf.kernels import attend
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, heads, kv_heads, slots, dim = 64, 16, 4, 1088, 128
+
+    def batch():
+        q = torch.randn(rows, heads, 1, dim, generator=gen, device="cuda").to(torch.bfloat16)
+        keys, values = (
+            (torch.randn(rows, kv_heads, slots, dim, generator=gen, device="cuda") * 8).to(torch.bfloat16)
+            for _ in range(2)
+        )
+        first = torch.randint(0, 300, (rows,), generator=gen, device="cuda", dtype=torch.int32)
+        end = first + torch.randint(1, 700, (rows,), generator=gen, device="cuda", dtype=torch.int32)
+        return q, keys, values, first, end
+
+    q, keys, values, first, end = batch()
+    live = torch.arange(slots, device="cuda")
+    mask = ((live[None, :] >= first[:, None]) & (live[None, :] < end[:, None]))[:, None, None, :]
+    out = attend_flash(q, keys, values, first, end, dim**-0.5)
+    ref = attend(q, keys, values, mask, dim**-0.5, rows, kv_heads, heads // kv_heads, dim)
+    assert out.shape == (rows, 1, heads, dim)
+    assert float((out.reshape(ref.shape).float() - ref.float()).abs().max()) < 0.02 * float(ref.abs().max())
+    assert torch.equal(out, attend_flash(q, keys, values, first, end, dim**-0.5))
+    other = list(batch())
+    for i, mine in enumerate((q, keys, values, first, end)):  # row 5 moved into another batch, at row 0
+        other[i][0] = mine[5]
+    assert torch.equal(attend_flash(*other, dim**-0.5)[0], out[5])
+
+
+@pytest.mark.parametrize("given", [{}, {"static_rows": 4}], ids=["left-padded", "refilled"])
+def test_fa3_decode_replays_its_graph_bitwise_and_exact_resumes_verified(model, tmp_path, monkeypatch, given):
+    """With FA3 in the static decoders' step: the captured graph replays what the eager step computes, a second
+    pass gives the same bits (exact = replica), and exact resumes the decode-time state verified."""
+    if why := fa3_missing():
+        pytest.skip(why)
+    monkeypatch.setenv("REPLAYNOISE_STATIC_ATTENTION", "fa3")
+    stops = frozenset(range(100, 500)) if given else frozenset()
+    eng = engine(model, "stock", stop_ids=stops, **given)
+    _, requests = rollout_and_requests(eng, tmp_path)
+    first = eng.run_batch(requests, "decode_kv", SAMPLING)
+    assert {d.attention for d in eng.forwards.decoders.values()} == {"fa3"}
+    again = eng.run_batch(requests, "decode_kv", SAMPLING)
+    plain = engine(model, "stock", graphs=False, stop_ids=stops, **given).run_batch(requests, "decode_kv", SAMPLING)
+    for x, y, z in zip(first, again, plain):
+        assert x.verified
+        assert x.token_ids == y.token_ids == z.token_ids
+        assert x.next_digest == y.next_digest == z.next_digest

@@ -112,6 +112,8 @@ ELSEWHERE = {
     "the settings of every pass, not of the rollouts (replaynoise.settings.PASS_ONLY_KEYS)",
     "configs.*.compile_rollouts": "hf static decode on CUDA only (refused on the tiny run's CPU); in the settings of "
     "the rollouts' step, not of the passes (replaynoise.settings.ROLLOUT_ONLY_KEYS, tests/test_compile_rollouts.py)",
+    "configs.*.static_attention": "hf static decode only (refused on the tiny run's CPU, which decodes "
+    "dynamically); in the settings of every model step, rollouts and passes (tests/test_flash_attention.py)",
     "configs.*.vllm": "a vllm configuration's engine settings, in the settings of its every model step",
     "configs.*.sglang": "an sglang configuration's engine settings, in the settings of its every model step",
     "configs.*.train": "the training recipe (test_training.py: a changed train setting retrains and remeasures)",

@@ -79,6 +79,8 @@ class HFOptions:
     static_rows: int | None = None
     #: compile the stock static rollout decoder's layers and sampler (as the passes' are), not only capture them
     compile_rollouts: bool = False
+    #: the stock static decoders' attention (``kernels.STATIC_ATTENTIONS``; None: the process's, ``static_attention``)
+    static_attention: str | None = None
 
 
 class HFEngine:
@@ -109,6 +111,7 @@ class HFEngine:
         given_keys = (
             (o.static_rows is not None, f"static_rows {o.static_rows}: sizes"),
             (o.compile_rollouts, "compile_rollouts: compiles"),
+            (o.static_attention is not None, f"static_attention {o.static_attention}: chooses the attention of"),
         )
         for given, what in given_keys:
             if given and (invariant or decode != "static"):
@@ -121,7 +124,7 @@ class HFEngine:
             eos_ids=self.eos_ids,
             topk=topk,
             graphs=o.graphs,
-            attention=static_attention(invariant),
+            attention=static_attention(invariant, o.static_attention),
             cache_gib=o.cache_gib,
         )
         self.stored, self.phases = self.forwards.stored, self.forwards.phases
@@ -319,6 +322,7 @@ def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: 
                 stop_ids=frozenset(stop_token_ids(tokenizer, s.stop)),
                 static_rows=s.static_rows,
                 compile_rollouts=s.compile_rollouts,
+                static_attention=s.static_attention,
                 **shape,
             ),
         )

@@ -34,19 +34,34 @@ EAGER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, S
 #: once, and cuDNN's kernel took longer for it at every shape measured on an H200, 0-25% of the whole step
 #: (benchmarks/static_attention.py, benchmarks/results/h200-static-attention.json). The invariant decoder keeps
 #: ``sdpa``, with which its bitwise identity across passes was verified on the H200 (reference/gpu).
+#: ``fa3``: FlashAttention 3 from vLLM's wheel (``engines.hf.flash``), which reads each row's live slots only; its
+#: numbers are its own, so it is a choice a run makes, never a default, and the invariant decoder refuses it (its
+#: batch invariance was verified with ``sdpa``).
 #: ``REPLAYNOISE_STATIC_ATTENTION`` overrides both for a run (a tuning knob; provenance.json records it).
-STATIC_ATTENTIONS = ("sdpa", "efficient", "gemm")
+STATIC_ATTENTIONS = ("sdpa", "efficient", "gemm", "fa3")
 STATIC_ATTENTION = "gemm"
 INVARIANT_ATTENTION = "sdpa"
 STATIC_ATTENTION_VARIABLE = "REPLAYNOISE_STATIC_ATTENTION"
 
 
-def static_attention(invariant: bool = False) -> str:
-    """The attention this process's static decoders use (the invariant decoder's, with ``invariant``): the
-    default, or the variable's value."""
-    value = os.environ.get(STATIC_ATTENTION_VARIABLE, INVARIANT_ATTENTION if invariant else STATIC_ATTENTION)
+def static_attention(invariant: bool = False, given: str | None = None) -> str:
+    """The attention an engine's static decoders use (the invariant decoder's, with ``invariant``): ``given`` (a
+    configuration's ``static_attention``), else the variable's value, else the default. A variable that says
+    otherwise than the configuration is refused: which of them a run's numbers came from must not be a guess."""
+    variable = os.environ.get(STATIC_ATTENTION_VARIABLE)
+    if given is not None and variable is not None and variable != given:
+        raise ValueError(
+            f"{STATIC_ATTENTION_VARIABLE}={variable!r} and the configuration's static_attention {given!r} disagree; "
+            "unset the variable or change the configuration"
+        )
+    value = given or variable or (INVARIANT_ATTENTION if invariant else STATIC_ATTENTION)
     if value not in STATIC_ATTENTIONS:
         raise ValueError(f"{STATIC_ATTENTION_VARIABLE}={value!r}: expected one of {STATIC_ATTENTIONS}")
+    if invariant and value == "fa3":
+        raise ValueError(
+            f"{STATIC_ATTENTION_VARIABLE}={value!r}: FlashAttention 3 is not verified batch-invariant, and the "
+            "invariant decoder (kernels: invariant) must be; unset the variable or choose sdpa for such a run"
+        )
     return value
 
 

@@ -36,10 +36,15 @@ def derive(name: str, settings: dict, replay: dict) -> None:
 
 
 def check(name: str, settings: dict, **_: Any) -> None:
-    """``static_rows`` and ``compile_rollouts`` shape the stock static decoder alone: with invariant kernels
-    (``invariant_rows``) or a dynamic decode (``decode: dynamic``, or ``auto`` on the CPU) they would change
-    nothing, so they are refused; so is ``compile_rollouts`` on the CPU, where nothing is compiled."""
-    for key, what in (("static_rows", "sizes"), ("compile_rollouts", "compiles")):
+    """``static_rows``, ``compile_rollouts`` and ``static_attention`` shape the stock static decoder alone: with
+    invariant kernels (``invariant_rows``) or a dynamic decode (``decode: dynamic``, or ``auto`` on the CPU) they
+    would change nothing, so they are refused; so are ``compile_rollouts`` on the CPU, where nothing is compiled,
+    and ``static_attention: fa3`` there, a GPU kernel."""
+    for key, what in (
+        ("static_rows", "sizes"),
+        ("compile_rollouts", "compiles"),
+        ("static_attention", "chooses the attention of"),
+    ):
         if key in settings and (settings["kernels"] != "stock" or not decodes_statically(settings)):
             raise ConfigError(
                 f"config key configs.{name}.{key}: {what} the stock static decoder, and this configuration "
@@ -47,6 +52,11 @@ def check(name: str, settings: dict, **_: Any) -> None:
                 f"{settings['device']!r} (invariant kernels take invariant_rows; decode static, or auto on a GPU, "
                 "is the static decoder); remove it"
             )
+    if settings.get("static_attention") == "fa3" and settings["device"] == "cpu":
+        raise ConfigError(
+            f"config key configs.{name}.static_attention: fa3 is FlashAttention 3's GPU kernel (Hopper), and this "
+            "configuration runs on 'cpu'; choose gemm there or remove the key"
+        )
     if settings.get("compile_rollouts") and settings["device"] == "cpu":
         raise ConfigError(
             f"config key configs.{name}.compile_rollouts: compiles the static decoder's CUDA step, and this "

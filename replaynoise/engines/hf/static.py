@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from replaynoise.engines.hf.cpu_matmul import Fp32Linear
+from replaynoise.engines.hf.flash import attend_flash, fa3_forward
 from replaynoise.engines.hf.kernels import (
     INVARIANT_ATTENTION,
     STATIC_ATTENTION,
@@ -44,6 +45,8 @@ class StaticDecoder:
         attn = inner.layers[0].self_attn
         self.model, self.inner, self.rows, self.length = model, inner, rows, length
         self.attention = attention
+        if attention == "fa3":
+            fa3_forward()  # its library loaded, or refused by name, before any buffer is allocated
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
         device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
         self.device = device
@@ -53,6 +56,8 @@ class StaticDecoder:
         self.keys = [self.kv[i, 0] for i in range(len(inner.layers))]
         self.values = [self.kv[i, 1] for i in range(len(inner.layers))]
         self.mask = torch.zeros(rows, 1, 1, length, device=device, dtype=torch.bool)
+        # the first live slot of each row (its left padding): the mask's lower edge, for ``fa3``'s ``leftpad_k``
+        self.first = torch.zeros(rows, device=device, dtype=torch.int32)
         self.ids = torch.zeros(rows, device=device, dtype=torch.int64)
         self.positions = torch.zeros(rows, device=device, dtype=torch.int64)
         self.write = torch.zeros(1, device=device, dtype=torch.int64)
@@ -103,6 +108,8 @@ class StaticDecoder:
         cos, sin = self.inner.rotary_emb(h, self.positions[:, None])
         cos, sin = cos[:, None], sin[:, None]  # [rows, 1, 1, head_dim]
         self._mark()
+        # fa3: every row's live slots end at its write position (inclusive), its ``seqused_k``
+        end = (self.write + 1).to(torch.int32).expand(rows).contiguous() if self.attention == "fa3" else None
         heads, kv_heads, dim = self.n_heads, self.n_kv, self.head_dim
         scaling = self.inner.layers[0].self_attn.scaling
         for (w_in, w_out, (eps, fp32)), keys, values in zip(self.weights, self.keys, self.values):
@@ -111,6 +118,8 @@ class StaticDecoder:
             self._store(values, v)
             if self.attention == "gemm":
                 o = self.attend(q, keys, values, self.mask, scaling, rows, kv_heads, group, dim)
+            elif end is not None:  # fa3: the live slots [first, end) alone, the mask's range
+                o = attend_flash(q, keys, values, self.first, end, scaling)
             else:  # "sdpa": PyTorch picks the backend; "efficient": its memory-efficient kernel
                 backend = (
                     sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)
@@ -160,6 +169,7 @@ class StaticDecoder:
         pads = torch.tensor([prefix - lengths[s] for s in row_state], device=self.device)
         slots = torch.arange(self.length, device=self.device)
         self.mask.copy_(((slots[None, :] >= pads[:, None]) & (slots[None, :] < prefix))[:, None, None, :])
+        self.first.copy_(pads)
         self.positions.copy_(torch.tensor([lengths[s] for s in row_state], device=self.device))
         self.write.fill_(prefix)
         self.ids.copy_(torch.tensor(tokens, device=self.device))
@@ -222,6 +232,7 @@ class SlotDecoder(StaticDecoder):
         at = torch.tensor(lengths, device=self.device)
         slots = torch.arange(self.length, device=self.device)
         self.mask[index] = (slots[None, :] < at[:, None])[:, None, None, :]
+        self.first[index] = 0
         self.positions[index] = at
         self.write[index] = at
         self.ids[index] = torch.tensor(ids, device=self.device)
@@ -258,6 +269,7 @@ class RefillDecoder(SlotDecoder):
         for buffer in (self.positions, self.write, self.ids, self.step_no):
             buffer[index] = 0
         self.mask[index] = False
+        self.first[index] = 0
 
     def start(self, sampling: tuple[float, float]) -> None:
         self._set_sampling(sampling)
