@@ -59,6 +59,18 @@ SHAPES = {
         Qwen2ForCausalLM,
         QWEN25(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12),
     ),
+    # Qwen2.5-7B's (benchmarks/scale.py's random-weight shape: four KV heads, untied head)
+    "qwen2.5-7b": (
+        Qwen2ForCausalLM,
+        QWEN25(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 #: (model, rows, prefix): the H200 pipeline runs' batches (1,024 rows, mean prefix 90) and a longer context
 CASES = [("smollm2-135m", 1024, 90), ("smollm2-135m", 256, 90), ("qwen2.5-0.5b", 1024, 90), ("qwen2.5-0.5b", 256, 400)]
