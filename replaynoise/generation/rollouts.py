@@ -9,7 +9,6 @@ uninterrupted runs give the same bytes.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,6 +21,7 @@ from replaynoise.data.datasets import read_problems
 from replaynoise.data.grading import extract_answer, is_correct
 from replaynoise.data.prompts import chat_turns, check_chat_template, check_style, plain_text
 from replaynoise.engines.base import Engine, Rollout, RolloutRequest, SamplingSettings
+from replaynoise.generation.answer_spans import answer_token_span
 from replaynoise.generation.pivots import PivotRules, rollout_pivots
 from replaynoise.io import intact_scratch, write_parquet
 from replaynoise.progress import TokenProgress
@@ -33,7 +33,6 @@ from replaynoise.settings import PromptSettings, RolloutSettings
 LONG_PROMPTS = ("refuse", "skip")
 #: Problems a message names one by one; the rest it counts.
 NAMED = 5
-_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def prompt_ids(tokenizer, question: str, style: str, instruction: str, shots: Sequence[Mapping] = ()) -> list[int]:
@@ -115,23 +114,6 @@ def fit_context(
         f"(configs.{config_name}.vllm.max_model_len or invariant_context where set, else a model with more "
         "positions), or set rollouts.long_prompts: skip to leave such problems out with a count in the log"
     )
-
-
-def char_offsets(tokenizer, ids: list[int]) -> list[int]:
-    """Start character of each token in the decoded text (incremental decoding, so byte merges are honoured)."""
-    return [len(tokenizer.decode(ids[:i], skip_special_tokens=False)) for i in range(len(ids) + 1)]
-
-
-def answer_token_span(tokenizer, response_ids: list[int]) -> tuple[int, int] | None:
-    """Token indices [start, end) covering the last number of the response: the final-answer span."""
-    text = tokenizer.decode(response_ids, skip_special_tokens=False)
-    matches = list(_LAST_NUMBER.finditer(text))
-    if not matches:
-        return None
-    lo, hi = matches[-1].span()
-    offsets = char_offsets(tokenizer, response_ids)
-    tokens = [i for i in range(len(response_ids)) if offsets[i] < hi and offsets[i + 1] > lo]
-    return (tokens[0], tokens[-1] + 1) if tokens else None
 
 
 def rollout_record(rollout: Rollout, tokenizer, gold: str, span: tuple[int, int] | None, special: set[int]) -> dict:
