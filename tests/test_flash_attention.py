@@ -99,6 +99,10 @@ def test_static_attention_is_a_configuration_key_absent_unless_given_and_refused
             configuration(static_attention="fa3", **refused)
     with pytest.raises(ConfigError, match="static_attention"):
         configuration(device="cuda", static_attention="flash")
+    # PyTorch's memory-efficient kernel has no CPU form: refused there by name, not deep inside a step
+    with pytest.raises(ConfigError, match="static_attention: efficient is a GPU kernel"):
+        configuration(decode="static", static_attention="efficient")
+    assert configuration(device="cuda", static_attention="efficient")["static_attention"] == "efficient"
 
 
 def test_the_configuration_chooses_the_decoders_attention_and_a_disagreeing_variable_is_refused(monkeypatch):

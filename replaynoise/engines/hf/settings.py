@@ -35,11 +35,15 @@ def derive(name: str, settings: dict, replay: dict) -> None:
             )
 
 
+#: static decoders' attentions that run on a GPU alone (``static_attention``)
+GPU_ATTENTIONS = {"fa3": "FlashAttention 3, Hopper", "efficient": "PyTorch's memory-efficient attention"}
+
+
 def check(name: str, settings: dict, **_: Any) -> None:
     """``static_rows``, ``compile_rollouts`` and ``static_attention`` shape the stock static decoder alone: with
     invariant kernels (``invariant_rows``) or a dynamic decode (``decode: dynamic``, or ``auto`` on the CPU) they
     would change nothing, so they are refused; so are ``compile_rollouts`` on the CPU, where nothing is compiled,
-    and ``static_attention: fa3`` there, a GPU kernel."""
+    and ``static_attention`` naming a GPU kernel there."""
     for key, what in (
         ("static_rows", "sizes"),
         ("compile_rollouts", "compiles"),
@@ -52,10 +56,11 @@ def check(name: str, settings: dict, **_: Any) -> None:
                 f"{settings['device']!r} (invariant kernels take invariant_rows; decode static, or auto on a GPU, "
                 "is the static decoder); remove it"
             )
-    if settings.get("static_attention") == "fa3" and settings["device"] == "cpu":
+    if settings.get("static_attention") in GPU_ATTENTIONS and settings["device"] == "cpu":
         raise ConfigError(
-            f"config key configs.{name}.static_attention: fa3 is FlashAttention 3's GPU kernel (Hopper), and this "
-            "configuration runs on 'cpu'; choose gemm there or remove the key"
+            f"config key configs.{name}.static_attention: {settings['static_attention']} is a GPU kernel "
+            f"({GPU_ATTENTIONS[settings['static_attention']]}), and this configuration runs on 'cpu'; choose gemm or "
+            "sdpa there, or remove the key"
         )
     if settings.get("compile_rollouts") and settings["device"] == "cpu":
         raise ConfigError(
