@@ -5,13 +5,15 @@ the tiny model, where they take a second rather than a minute."""
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import polars as pl
 import pytest
 import torch
-from helpers import branch_requests, configuration, hf_engine, pass_job, rollout_job
+from helpers import REPO, branch_requests, configuration, hf_engine, pass_job, rollout_job
 
 from replaynoise.analysis.channels import assert_all_identical, channel_agreement
 from replaynoise.analysis.credit import compute_credit
@@ -176,13 +178,22 @@ def test_a_pass_logs_where_its_time_went(tiny_stock, tmp_path, capsys):
 
 
 def test_the_rollout_step_logs_its_host_work_apart_from_the_engines(tiny_prepared, tmp_path, capsys):
-    """Choosing each row's pivots (the answer span decodes every prefix of the response) and building the records
-    are phases of their own: on the 7B shape they took 1.6 s of a 64-row batch that no phase showed
+    """Choosing each row's pivots (the answer span decoded every prefix of the response before 74c8e67) and building
+    the records are phases of their own: on the 7B shape they took 1.6 s of a 64-row batch that no phase showed
     (benchmarks/results/rollouts-compiled-2026-12-07/)."""
     campaign(tiny_prepared, tmp_path, "stock", rules=TINY_RULES)
     line = [x for x in capsys.readouterr().err.splitlines() if "rollouts stock: time by phase" in x][-1]
     assert all(f"{phase} " in line for phase in ("generate", "choose pivots", "store KV", "records"))
     assert "KV to host" not in line  # the CPU's cache is copied by no pinned buffer
+
+
+def test_the_engine_module_imports_transformers_model_machinery_in_the_imports_phase():
+    """The engine factory times importing the engine's module as "imports" and loading the model as "model load";
+    transformers' model machinery (modeling_utils: seconds on a GPU machine's image) must load with the module, or the
+    log counts it as model load, where it was taken for slow weights (benchmarks/results/weight-load-2026-12-07/)."""
+    code = "import sys, replaynoise.engines.hf.engine; print('transformers.modeling_utils' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.split() == ["True"]
 
 
 def test_interrupted_pass_resumes_without_redoing_batches(tiny_stock, tmp_path):

@@ -21,6 +21,10 @@ from pathlib import Path
 
 import torch
 
+# transformers' model machinery (modeling_utils and what it pulls in: seconds on a GPU machine's image) loads here, in
+# the job's "imports" phase; left to from_pretrained, the log counted it as "model load"
+from transformers import PreTrainedModel
+
 from replaynoise.data.loading import eos_token_ids, load_weights, model_weights_dir, stop_token_ids
 from replaynoise.engines.base import (
     ContinuationRequest,
@@ -86,7 +90,7 @@ class HFOptions:
 class HFEngine:
     name = "hf"
 
-    def __init__(self, model, tokenizer, options: HFOptions) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer, options: HFOptions) -> None:
         o = options
         kernels, decode, cpu_matmul, topk = o.kernels, o.decode, o.cpu_matmul, o.topk
         if kernels not in KERNEL_MODES:
