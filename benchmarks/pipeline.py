@@ -61,6 +61,8 @@ def rows_for(run: Path, config: dict) -> list[dict]:
         if rule in ("prepare_model", "train_grpo"):  # per model, not per shard: no generated-token rate
             continue
         cfg, shard = bench.stem.rsplit(".", 1)
+        if cfg not in config["configs"]:  # another configuration file's, run on the same folder
+            continue
         table_file = (
             results / "rollouts" / cfg / "shards" / f"{shard}.parquet"
             if rule == "generate_rollouts"

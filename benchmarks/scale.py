@@ -4,6 +4,7 @@ own rules on both engines, reported against the GPU's compute and memory rooflin
     PYTHONPATH=. python benchmarks/scale.py make-models DIR [--shapes qwen2.5-7b llama-3-8b] [--device cuda]
     PYTHONPATH=. python benchmarks/scale.py report RUN_DIR --configfile benchmarks/configs/scale-7b.yaml \\
         --out benchmarks/results/h200-scale-7b.json
+    (``--configfile`` again for each further file run on the same folder: their configurations side by side)
 
 ``make-models`` writes DIR/<shape>: weights drawn on the device (a 7B model in about a second; nothing to carry
 to a machine without a network), the packaged Qwen2.5-Coder-0.5B's tokenizer beside them (prepared from its
@@ -271,14 +272,37 @@ def projection(
     }
 
 
-def report(run: Path, configfile: Path, out: Path | None, commit: str | None = None, dirty: bool | None = None) -> dict:
+def merged_campaigns(configfiles: list[Path]) -> dict:
+    """The configuration files a run's folder was driven with, as one: the first file's design with every file's
+    configurations (each file an overlay with its base, as the run read it). The lent machine's driver runs one file
+    per engine environment on one folder (benchmarks/configs/attention-7b.yaml's HF, then scale-7b.yaml's vLLM), and
+    its report must see them side by side; a configuration two files set otherwise is refused by name."""
+    raw = load_campaign(configfiles[0].resolve())
+    for other in configfiles[1:]:
+        for name, settings in load_campaign(other.resolve())["configs"].items():
+            if raw["configs"].setdefault(name, settings) != settings:
+                raise SystemExit(f"configuration {name!r} differs between {configfiles[0]} and {other}")
+    return raw
+
+
+def report(
+    run: Path, configfile: Path | list[Path], out: Path | None, commit: str | None = None, dirty: bool | None = None
+) -> dict:
     provenance = run / "results" / "provenance.json"
     if provenance.is_file():
         config = read_json(provenance)["config"]
     else:
-        raw = load_campaign(configfile.resolve())  # an overlay with its base, as the run read it
+        raw = merged_campaigns(configfile if isinstance(configfile, list) else [configfile])
         with contextlib.chdir(run):  # where the run's relative model paths resolve
             config = validate_config(raw)
+    tables = (run / "results" / "benchmarks").glob("*/*.tsv")
+    ran = {t.stem.rsplit(".", 1)[0] for t in tables if t.parent.name not in ("prepare_model", "train_grpo")}
+    others = ran - set(config["configs"])
+    if others:
+        print(
+            f"left out: the folder's configurations {sorted(others)}, which no configuration file given names",
+            file=sys.stderr,
+        )
     rows = rows_for(run, config)
     shapes = {}
     for row in rows:
@@ -382,7 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     rep = sub.add_parser("report", help="the per-rule figures of a run of benchmarks/configs/scale-7b.yaml")
     rep.add_argument("run", type=Path)
-    rep.add_argument("--configfile", type=Path, required=True)
+    rep.add_argument(
+        "--configfile",
+        type=Path,
+        action="append",
+        required=True,
+        help="the run's configuration file; again for each further file run on the same folder (their configurations "
+        "reported side by side, the first file's design)",
+    )
     rep.add_argument("--out", type=Path, default=None)
     rep.add_argument(
         "--commit",

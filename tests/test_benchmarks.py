@@ -4,11 +4,13 @@ test-suite timeline of benchmarks/suite_times.py."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import polars as pl
 import pytest
+import yaml
 from helpers import REPO
 
 from replaynoise.progress import Phases, TokenProgress
@@ -193,3 +195,35 @@ def test_the_report_reads_an_overlay_with_its_base(tmp_path):
     (tmp_path / "overlay.yaml").write_text("overlay_of: base.yaml\ndataset: {n_problems: 32}\n")
     record = scale.report(tmp_path / "run", tmp_path / "overlay.yaml", None)
     assert record["rows"] == [] and set(record["vllm_settings"]) == {"q7b-vllm"}
+
+
+def test_the_report_reads_several_configuration_files_run_on_one_folder(tmp_path, capsys):
+    """The lent machine's driver runs one configuration file per engine environment on one folder (HF's
+    configs/attention-7b.yaml, then vLLM's configs/scale-7b.yaml): the report failed on the first file's rows when
+    given the second (KeyError); it takes both, and leaves out, by name, a configuration neither names."""
+    model = tmp_path / "run" / "shapes" / "m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({**scale.SHAPES["qwen2-tiny"], "vocab_size": 151936}))
+    (model / "model.safetensors").write_bytes(b"")
+    (model / "tokenizer.json").write_text("{}")
+    base = (REPO / "benchmarks" / "configs" / "rollouts-7b.yaml").read_text().replace("shapes/qwen2.5-7b", "shapes/m")
+    (tmp_path / "hf.yaml").write_text(base)
+    config = yaml.safe_load(base)
+    config["configs"] = {"q7b-other": {**config["configs"]["q7b-hf"], "top_p": 0.9}}
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(config))
+    results = tmp_path / "run" / "results"
+    for name in ("q7b-hf", "q7b-other", "q7b-neither"):  # a finished rollout job of each
+        (results / "benchmarks" / "generate_rollouts").mkdir(parents=True, exist_ok=True)
+        (results / "benchmarks" / "generate_rollouts" / f"{name}.000.tsv").write_text("s\n2.0\n")
+        (results / "rollouts" / name / "shards").mkdir(parents=True)
+        pl.DataFrame({"prompt_ids": [[1, 2]], "response_ids": [[3, 4, 5]]}).write_parquet(
+            results / "rollouts" / name / "shards" / "000.parquet"
+        )
+    (results / "logs" / "generate_rollouts").mkdir(parents=True)
+    record = scale.report(tmp_path / "run", [tmp_path / "hf.yaml", tmp_path / "other.yaml"], None)
+    assert sorted(r["config"] for r in record["rows"]) == ["q7b-hf", "q7b-other"]
+    assert "left out: the folder's configurations ['q7b-neither']" in capsys.readouterr().err
+    config["configs"] = {"q7b-hf": {**config["configs"]["q7b-other"]}}  # the same name, other settings
+    (tmp_path / "clash.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit, match="configuration 'q7b-hf' differs between"):
+        scale.report(tmp_path / "run", [tmp_path / "hf.yaml", tmp_path / "clash.yaml"], None)
