@@ -189,11 +189,16 @@ def test_the_rollout_step_logs_its_host_work_apart_from_the_engines(tiny_prepare
 
 def test_the_engine_module_imports_transformers_model_machinery_in_the_imports_phase():
     """The engine factory times importing the engine's module as "imports" and loading the model as "model load";
-    transformers' model machinery (modeling_utils: seconds on a GPU machine's image) must load with the module, or the
-    log counts it as model load, where it was taken for slow weights (benchmarks/results/weight-load-2026-12-07/)."""
-    code = "import sys, replaynoise.engines.hf.engine; print('transformers.modeling_utils' in sys.modules)"
+    transformers' model machinery (modeling_utils and the auto classes: seconds on a GPU machine's image) must load
+    with the module, or the log counts it as model load, where it was taken for slow weights
+    (benchmarks/results/weight-load-2026-12-07/): what load_weights imports is there already."""
+    code = (
+        "import sys, replaynoise.engines.hf.engine; before = set(sys.modules); "
+        "from transformers import AutoModelForCausalLM; "
+        "print('transformers.modeling_utils' in before, sorted(set(sys.modules) - before))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
-    assert out.stdout.split() == ["True"]
+    assert out.stdout.split() == ["True", "[]"]
 
 
 def test_interrupted_pass_resumes_without_redoing_batches(tiny_stock, tmp_path):

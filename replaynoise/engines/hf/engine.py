@@ -21,9 +21,11 @@ from pathlib import Path
 
 import torch
 
-# transformers' model machinery (modeling_utils and what it pulls in: seconds on a GPU machine's image) loads here, in
-# the job's "imports" phase; left to from_pretrained, the log counted it as "model load"
-from transformers import PreTrainedModel
+# transformers' model machinery (modeling_utils, the auto classes and what they pull in: 10.1-10.7 s with transformers
+# itself in fresh processes on a lent GPU machine's image, benchmarks/results/weight-load-2026-12-07/) loads here, in
+# the job's "imports" phase; left to load_weights, which imports AutoModelForCausalLM itself, the log counted it as
+# "model load", where it was taken for slow weights
+from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: F401 - AutoModelForCausalLM: loaded here
 
 from replaynoise.data.loading import eos_token_ids, load_weights, model_weights_dir, stop_token_ids
 from replaynoise.engines.base import (
