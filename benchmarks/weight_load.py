@@ -6,8 +6,8 @@ memory alone (no GPU), the bound of both.
 
     python benchmarks/weight_load.py DIR [--out FILE.json] [--repeats 2]
 
-Needs a CUDA device, torch, transformers and safetensors (the lent machine's image has them); writes the model into
-DIR first where it is not there.
+Needs a CUDA device, torch, transformers and safetensors; writes the model into DIR first where it is not there,
+in benchmarks/static_attention.py's 7B shape (so the project's packages too, for that step alone).
 """
 
 from __future__ import annotations
@@ -20,25 +20,18 @@ import time
 from pathlib import Path
 
 CASES = ("transformers", "safetensors", "read")
-SHAPE = dict(
-    vocab_size=151936,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=False,
-)
 
 
 def make(folder: Path) -> None:
+    """The 7B shape of benchmarks/static_attention.py (imported here alone: the timed processes need none of it)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.static_attention import SHAPES
+
+    cls, config = SHAPES["qwen2.5-7b"]
     with torch.device("cuda"):
-        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(torch.bfloat16)
+        model = cls(config).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="5GB")
 
 
