@@ -1,4 +1,4 @@
-"""FlashAttention 3 for the static decoders' step (``REPLAYNOISE_STATIC_ATTENTION=fa3``), from the kernels vLLM's
+"""FlashAttention 3 for the static decoders' step (``static_attention: fa3``), from the kernels vLLM's
 wheel carries (``vllm/vllm_flash_attn/_vllm_fa3_C``, Hopper GPUs: H100, H200).
 
 Why: the ``gemm`` attention reads every slot of a row's cache, masked or not, in two GEMMs and a float32 softmax;
@@ -35,14 +35,15 @@ def fa3_forward() -> Callable[..., list[torch.Tensor]]:
     found = next((p for p in where if p.exists()), None)
     if found is None:
         raise RuntimeError(
-            "REPLAYNOISE_STATIC_ATTENTION=fa3 runs FlashAttention 3 from vLLM's wheel "
+            "static_attention fa3 (or REPLAYNOISE_STATIC_ATTENTION=fa3) runs FlashAttention 3 from vLLM's wheel "
             f"(vllm/{LIBRARY}), which this environment lacks ({'vllm not installed' if spec is None else where}); "
             "install vLLM (bash install.sh --vllm-cuda) or choose another attention"
         )
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
         raise RuntimeError(
-            f"REPLAYNOISE_STATIC_ATTENTION=fa3: FlashAttention 3 needs a Hopper GPU (sm90), not {device}"
+            f"static_attention fa3 (or REPLAYNOISE_STATIC_ATTENTION=fa3): FlashAttention 3 needs a Hopper GPU "
+            f"(sm90), not {device}"
         )
     torch.ops.load_library(str(found))
     return torch.ops._vllm_fa3_C.fwd
