@@ -55,13 +55,14 @@ def loop_seconds(log: Path) -> float | None:
 
 def rows_for(run: Path, config: dict) -> list[dict]:
     results = run / "results"
-    out = []
+    out, others = [], set()
     for bench in sorted((results / "benchmarks").glob("*/*.tsv")):
         rule = bench.parent.name
         if rule in ("prepare_model", "train_grpo"):  # per model, not per shard: no generated-token rate
             continue
         cfg, shard = bench.stem.rsplit(".", 1)
         if cfg not in config["configs"]:  # another configuration file's, run on the same folder
+            others.add(cfg)
             continue
         table_file = (
             results / "rollouts" / cfg / "shards" / f"{shard}.parquet"
@@ -97,6 +98,11 @@ def rows_for(run: Path, config: dict) -> list[dict]:
                 "startup": phases(log, "engine start-up by phase: "),
                 "gpu_memory": logged(log, ": GPU memory: "),
             }
+        )
+    if others:
+        print(
+            f"left out: the folder's configurations {sorted(others)}, which no configuration file given names",
+            file=sys.stderr,
         )
     return out
 

@@ -286,23 +286,15 @@ def merged_campaigns(configfiles: list[Path]) -> dict:
 
 
 def report(
-    run: Path, configfile: Path | list[Path], out: Path | None, commit: str | None = None, dirty: bool | None = None
+    run: Path, configfiles: list[Path], out: Path | None, commit: str | None = None, dirty: bool | None = None
 ) -> dict:
     provenance = run / "results" / "provenance.json"
     if provenance.is_file():
         config = read_json(provenance)["config"]
     else:
-        raw = merged_campaigns(configfile if isinstance(configfile, list) else [configfile])
+        raw = merged_campaigns(configfiles)
         with contextlib.chdir(run):  # where the run's relative model paths resolve
             config = validate_config(raw)
-    tables = (run / "results" / "benchmarks").glob("*/*.tsv")
-    ran = {t.stem.rsplit(".", 1)[0] for t in tables if t.parent.name not in ("prepare_model", "train_grpo")}
-    others = ran - set(config["configs"])
-    if others:
-        print(
-            f"left out: the folder's configurations {sorted(others)}, which no configuration file given names",
-            file=sys.stderr,
-        )
     rows = rows_for(run, config)
     shapes = {}
     for row in rows:

@@ -193,7 +193,7 @@ def test_the_report_reads_an_overlay_with_its_base(tmp_path):
     base = REPO / "benchmarks" / "configs" / "rollouts-7b.yaml"
     (tmp_path / "base.yaml").write_text(base.read_text().replace("shapes/qwen2.5-7b", "shapes/m"))
     (tmp_path / "overlay.yaml").write_text("overlay_of: base.yaml\ndataset: {n_problems: 32}\n")
-    record = scale.report(tmp_path / "run", tmp_path / "overlay.yaml", None)
+    record = scale.report(tmp_path / "run", [tmp_path / "overlay.yaml"], None)
     assert record["rows"] == [] and set(record["vllm_settings"]) == {"q7b-vllm"}
 
 
