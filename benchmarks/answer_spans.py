@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replaynoise.data.models import PACKAGED_MODELS  # noqa: E402
-from replaynoise.data.preparation import assemble_gguf  # noqa: E402
+from replaynoise.data.preparation import assemble_gguf, gguf_tokenizer  # noqa: E402
 from replaynoise.generation import answer_spans  # noqa: E402
 
 PACKAGES = Path(__file__).resolve().parents[1] / "resources" / "packages"
@@ -42,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    gguf = assemble_gguf(PACKAGED_MODELS[args.model], PACKAGES)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    tokenizer = gguf_tokenizer(assemble_gguf(PACKAGED_MODELS[args.model], PACKAGES))
     rows = responses(tokenizer)
     print(
         f"{args.model}: {len(rows)} responses of {sorted({len(r) for r in rows})} tokens; byte-level path: "

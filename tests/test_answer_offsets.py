@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from replaynoise.data.models import PACKAGED_MODELS
-from replaynoise.data.preparation import assemble_gguf
+from replaynoise.data.preparation import assemble_gguf, gguf_tokenizer
 from replaynoise.generation import answer_spans
 from replaynoise.generation.answer_spans import answer_token_span, byte_level_backend, char_offsets, token_offsets
 
@@ -141,8 +141,7 @@ def packaged_tokenizer(name: str):
     model = PACKAGED_MODELS[name]
     if name != "smollm2-135m" and not (PACKAGES / model.gguf_name).is_file():
         pytest.skip(f"{model.gguf_name} is not in {PACKAGES} (the workflow fetches it when a configuration names it)")
-    gguf = assemble_gguf(model, PACKAGES)
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    return gguf_tokenizer(assemble_gguf(model, PACKAGES))
 
 
 @pytest.mark.slow

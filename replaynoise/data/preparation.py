@@ -122,15 +122,22 @@ def _gguf_parsed_once():
         gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
+def gguf_tokenizer(gguf: Path):
+    """The tokenizer a GGUF file carries, read offline by transformers (a packaged model's: ``assemble_gguf``)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True, trust_remote_code=False
+    )
+
+
 @_gguf_parsed_once()
 def _convert_gguf(gguf: Path, dtype: str, out_dir: Path) -> None:
     """Dequantize a GGUF through transformers and save plain safetensors in ``dtype``."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, local_files_only=True, trust_remote_code=False
-    )
+    tokenizer = gguf_tokenizer(gguf)
     check_tokenizer(tokenizer, str(gguf))
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype), local_files_only=True, trust_remote_code=False
