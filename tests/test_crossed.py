@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,16 @@ from helpers import TINY, analysis_settings, planned_rules
 from scipy import stats as sps
 
 from replaynoise.analysis.comparison import compare_passes
-from replaynoise.analysis.replicated import components, crossed_difference, crossed_interval, plan, replicated_stats
+from replaynoise.analysis.replicated import (
+    Components,
+    components,
+    crossed_difference,
+    crossed_interval,
+    level_interval,
+    pass_level_interval,
+    plan,
+    replicated_stats,
+)
 from replaynoise.config import analysis_hash, validate_config
 from replaynoise.generation.passes import draw_name, pass_spec, replicate_pairs, run_passes
 from replaynoise.io import read_json, read_parquet
@@ -51,7 +61,8 @@ def test_a_pass_component_estimated_at_zero_still_widens_the_interval_by_its_few
     stat = crossed_interval(s, np.ones_like(s), 0.95)
     assert stat["components"]["pass_sd"] == 0.0
     assert stat["df"] < 29  # a problem-only t would have G - 1 = 29 degrees of freedom
-    assert stat["components"]["pass_sd_ci_lo"] == 0.0 and stat["components"]["pass_sd_ci_hi"] > 0
+    assert stat["components"]["pass_sd_ci_lo"] is None and stat["components"]["pass_sd_ci_hi"] > 0
+    assert stat["components"]["pass_test"]["p"] > 0.05
 
 
 def test_a_pass_component_of_rounding_alone_is_zero_with_a_finite_interval():
@@ -67,8 +78,48 @@ def test_a_pass_component_of_rounding_alone_is_zero_with_a_finite_interval():
     crossed = result["conditionings"]["main"]["replicated"]["excess_pp"]["crossed"]
     ms = crossed["components"]["mean_squares"]
     assert ms["pairs"] == pytest.approx(ms["residual"], rel=1e-12)  # the case itself
-    assert crossed["components"]["pass_sd"] == 0.0 and crossed["components"]["pass_sd_ci_lo"] == 0.0
+    assert crossed["components"]["pass_sd"] == 0.0 and crossed["components"]["pass_sd_ci_lo"] is None
     assert 0 < crossed["components"]["pass_sd_ci_hi"] < 10 and crossed["ci_lo"] < 0 < crossed["ci_hi"]
+
+
+def test_a_pass_component_gets_a_lower_end_only_where_its_f_test_rejects():
+    """Pairs spread as residual noise would spread them give a positive estimate now and then; its F test (MS_pairs /
+    MS_residual on R - 1 and (G - 1)(R - 1) df) does not reject, so only the upper bound is reported. A real pass
+    shift rejects and gets both ends."""
+    rng = np.random.default_rng(2)
+    noise = rng.normal(0.0, 0.3, (40, 1)) + rng.normal(0.0, 0.2, (40, 3))
+    for shift, significant in ((np.zeros(3), False), (np.array([-0.3, 0.0, 0.3]), True)):
+        s = noise + shift
+        stat = crossed_interval(s, np.ones_like(s), 0.95)["components"]
+        ms = stat["mean_squares"]
+        f = ms["pairs"] / ms["residual"]
+        assert stat["pass_test"]["f"] == pytest.approx(f)
+        assert stat["pass_test"]["p"] == pytest.approx(sps.f.sf(f, 2, 78))
+        assert (stat["pass_test"]["p"] < 0.05) == significant
+        assert (stat["pass_sd_ci_lo"] is not None) == significant and stat["pass_sd_ci_hi"] > 0
+    assert 0 < stat["pass_sd_ci_lo"] < stat["pass_sd"] < stat["pass_sd_ci_hi"]
+
+
+def test_the_pass_interval_of_a_design_without_pass_degrees_of_freedom_is_empty_not_a_division_by_zero():
+    """One pair (R - 1 = 0) has no pass component to test or bound; a difference of mean squares that is rounding
+    alone gives Satterthwaite 0 degrees of freedom and a zero lower end, not a NaN."""
+    one_pair = Components(
+        problem=0.01, pass_level=0.0, residual=0.02, n_problems=40, n_pairs=1, mean_squares=(0.03, 0.0, 0.02)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pass_level_interval(one_pair, 0.95) == {
+            "ci_lo": None,
+            "ci_hi": None,
+            "f": None,
+            "p": None,
+            "df": 0,
+            "df_residual": 0,
+        }
+        out = level_interval(1.0, 0.0, 2, 10**9, 40, 0.95)  # MS_residual 0: rejects; nu = df
+        assert out["p"] == 0.0 and 0 < out["ci_lo"] < out["ci_hi"]
+        edge = level_interval(1.0 + 1e-12, 1.0, 2, 10**12, 40, 0.95)  # rejects at huge df; difference is rounding
+        assert edge["ci_lo"] == 0.0 or edge["ci_lo"] is None
 
 
 def test_replicated_stats_pool_the_pairs_and_keep_each_pair_s_own_excess():

@@ -101,18 +101,23 @@ def satterthwaite_df(ms_p: float, ms_r: float, ms_e: float, g: int, r: int) -> f
     return float(total * total / denominator) if total > 0 and denominator > 0 else float(r - 1)
 
 
-def components(s: np.ndarray, n: np.ndarray) -> tuple[float, Components]:
-    """The pooled ratio sum(S)/sum(N) and the crossed model's components of its linearised residuals."""
-    g, r = s.shape
-    total = n.sum()
-    estimate = float(s.sum() / total)
-    e = (s - estimate * n) / (total / (g * r))
+def table_mean_squares(e: np.ndarray) -> tuple[float, float, float]:
+    """The mean squares of rows, columns and their interaction of a two-way table without replication (G x C)."""
+    g, r = e.shape
     grand = e.mean()
     rows, cols = e.mean(axis=1), e.mean(axis=0)
     ms_p = r * float(((rows - grand) ** 2).sum()) / (g - 1)
     ms_r = g * float(((cols - grand) ** 2).sum()) / (r - 1)
     ms_e = float(((e - rows[:, None] - cols[None, :] + grand) ** 2).sum()) / ((g - 1) * (r - 1))
-    comp = Components(
+    return ms_p, ms_r, ms_e
+
+
+def table_components(e: np.ndarray) -> Components:
+    """The crossed model's components of a G x C table of linearised values (rows: problems; columns: pairs, or
+    runs), each from its mean square over the interaction's, never negative."""
+    g, r = e.shape
+    ms_p, ms_r, ms_e = table_mean_squares(e)
+    return Components(
         problem=_excess_over(ms_p, ms_e) / r,
         pass_level=_excess_over(ms_r, ms_e) / g,
         residual=ms_e,
@@ -120,7 +125,21 @@ def components(s: np.ndarray, n: np.ndarray) -> tuple[float, Components]:
         n_pairs=r,
         mean_squares=(ms_p, ms_r, ms_e),
     )
-    return estimate, comp
+
+
+def linearised(s: np.ndarray, n: np.ndarray) -> tuple[float, np.ndarray]:
+    """The pooled ratio sum(S)/sum(N) and its linearised residuals per cell, scaled so that their mean over the G x R
+    cells is the ratio's first-order error."""
+    g, r = s.shape
+    total = n.sum()
+    estimate = float(s.sum() / total)
+    return estimate, (s - estimate * n) / (total / (g * r))
+
+
+def components(s: np.ndarray, n: np.ndarray) -> tuple[float, Components]:
+    """The pooled ratio sum(S)/sum(N) and the crossed model's components of its linearised residuals."""
+    estimate, e = linearised(s, n)
+    return estimate, table_components(e)
 
 
 def _excess_over(ms: float, ms_e: float) -> float:
@@ -131,18 +150,41 @@ def _excess_over(ms: float, ms_e: float) -> float:
     return diff if diff > 1e-9 * max(abs(ms), abs(ms_e)) else 0.0
 
 
-def pass_level_interval(comp: Components, ci: float) -> tuple[float, float]:
-    """An interval for the pass-level variance. Its upper end is the chi-square bound of MS_pairs / G, which
-    bounds sigma_v^2 + sigma_w^2 / G and so sigma_v^2 (conservative, and finite with few pairs); its lower end is
-    Satterthwaite's for the difference (MS_pairs - MS_residual) / G, 0 where that difference is not positive."""
-    ms_p, ms_r, ms_e = comp.mean_squares
-    g, r = comp.n_problems, comp.n_pairs
+def level_interval(ms: float, ms_e: float, df: int, df_e: int, per_level: int, ci: float) -> dict[str, float | None]:
+    """A component's F test (MS / MS_residual on df, df_e) and its interval. The upper end is the chi-square bound
+    of MS / per_level, which bounds the component plus the residual's share of it (conservative, finite with few
+    levels). A lower end (Satterthwaite's for (MS - MS_residual) / per_level) is given only where the F test rejects
+    at the interval's level: otherwise a zero component is not excluded and only the upper bound is reported."""
+    out: dict[str, float | None] = {"ci_lo": None, "ci_hi": None, "f": None, "p": None, "df": df, "df_residual": df_e}
+    if df < 1 or df_e < 1 or per_level < 1:
+        return out
     alpha = 1.0 - ci
-    upper = float((r - 1) * ms_r / (g * sps.chi2.ppf(alpha / 2, r - 1)))
-    if comp.pass_level <= 0:
-        return 0.0, upper
-    nu = (ms_r - ms_e) ** 2 / (ms_r**2 / (r - 1) + ms_e**2 / ((g - 1) * (r - 1)))
-    return float(nu * comp.pass_level / sps.chi2.ppf(1 - alpha / 2, nu)), upper
+    out["ci_hi"] = float(df * ms / (per_level * sps.chi2.ppf(alpha / 2, df)))
+    if ms_e > 0:
+        out["f"] = float(ms / ms_e)
+        out["p"] = float(sps.f.sf(out["f"], df, df_e))
+    elif ms > 0:
+        out["p"] = 0.0
+    if out["p"] is None or out["p"] >= alpha:
+        return out
+    diff = _excess_over(ms, ms_e)
+    nu = (ms - ms_e) ** 2 / (ms**2 / df + ms_e**2 / df_e)
+    quantile = float(sps.chi2.ppf(1 - alpha / 2, nu)) if diff > 0 and nu > 0 else 0.0
+    out["ci_lo"] = nu * diff / (per_level * quantile) if quantile > 0 and math.isfinite(quantile) else 0.0
+    return out
+
+
+def pass_level_interval(comp: Components, ci: float) -> dict[str, float | None]:
+    """The pass-level variance's F test and interval (``level_interval`` over MS_pairs, with R - 1 and
+    (G - 1)(R - 1) degrees of freedom); all None where a design of one pair or one problem has no such test."""
+    _, ms_r, ms_e = comp.mean_squares
+    g, r = comp.n_problems, comp.n_pairs
+    return level_interval(ms_r, ms_e, r - 1, (g - 1) * (r - 1), g, ci)
+
+
+def scaled_sd(variance: float | None, scale: float) -> float | None:
+    """sqrt(variance) * scale for JSON, None for a variance there is none of."""
+    return None if variance is None else json_number(scale * math.sqrt(variance))
 
 
 def crossed_interval(s: np.ndarray, n: np.ndarray, ci: float, scale: float = 1.0) -> dict[str, Any]:
@@ -168,7 +210,7 @@ def crossed_interval(s: np.ndarray, n: np.ndarray, ci: float, scale: float = 1.0
     se = math.sqrt(comp.variance())
     df = comp.df()
     half = float(sps.t.ppf(0.5 + ci / 2, df)) * se
-    lo, hi = pass_level_interval(comp, ci)
+    test = pass_level_interval(comp, ci)
     out.update(
         estimate=json_number(scale * estimate),
         se=json_number(scale * se),
@@ -178,8 +220,9 @@ def crossed_interval(s: np.ndarray, n: np.ndarray, ci: float, scale: float = 1.0
         components={
             "problem_sd": json_number(scale * math.sqrt(comp.problem)),
             "pass_sd": json_number(scale * math.sqrt(comp.pass_level)),
-            "pass_sd_ci_lo": json_number(scale * math.sqrt(lo)),
-            "pass_sd_ci_hi": json_number(scale * math.sqrt(hi)),
+            "pass_sd_ci_lo": scaled_sd(test["ci_lo"], scale),
+            "pass_sd_ci_hi": scaled_sd(test["ci_hi"], scale),
+            "pass_test": {"f": json_number(test["f"]), "p": json_number(test["p"]), "df": [r - 1, (g - 1) * (r - 1)]},
             "residual_sd": json_number(scale * math.sqrt(comp.residual)),
             "mean_squares": {
                 "problems": comp.mean_squares[0],

@@ -152,12 +152,20 @@ def _problem_only(r: dict) -> str:
     return NA if lo is None or hi is None else f"[{lo:+.1f}, {hi:+.1f}]"
 
 
+def _pass_sd(r: dict) -> str:
+    """The pass-level SD with its interval, or with its upper bound alone where its F test does not reject."""
+    est, lo, hi = r.get("pass_sd_pp"), r.get("pass_sd_pp_ci_lo"), r.get("pass_sd_pp_ci_hi")
+    if est is not None and lo is None and hi is not None:
+        return f"{est:.1f} [up to {hi:.1f}]"
+    return _with_ci(r, "pass_sd_pp", _fixed(1))
+
+
 #: The columns of a replicated run (pairs of draws > 1), set after the excess.
 def _replicated_display() -> list[tuple[str, Callable[[dict], str]]]:
     return [
         ("pairs", lambda r: NA if r.get("pairs") is None else str(r["pairs"])),
         ("problem-only CI", _problem_only),
-        ("pass-level SD pp", lambda r: _with_ci(r, "pass_sd_pp", _fixed(1))),
+        ("pass-level SD pp", _pass_sd),
         ("resolved", _resolved),
     ]
 
@@ -212,8 +220,9 @@ REPLICATED_FOOTER = (
     "pairs of draws (replica r, refeed r); their intervals resample problems and cover the pass-to-pass noise (a "
     "crossed problems x pairs random-effects model, Satterthwaite t; docs/method.md); problem-only CI: the same "
     "excess with the draws held fixed, the interval one draw per pass can give; pass-level SD: the spread of a "
-    "pair's excess the pass draw alone makes; resolved: the crossed interval excludes zero. The other columns are "
-    "the first pair's."
+    "pair's excess the pass draw alone makes, with an interval where its F test (MS pairs / MS residual) rejects "
+    "at the interval's level and its upper bound alone (up to) where it does not; resolved: the crossed interval "
+    "excludes zero. The other columns are the first pair's."
 )
 
 
