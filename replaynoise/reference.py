@@ -11,6 +11,7 @@ so a reviewer can tell a platform's last-bit drift from a different result.
     python -m replaynoise.reference figure reference/gpu reference/gpu/smollm2 reference/gpu/qwen ...
     python -m replaynoise.reference partial results config/campaigns/X.yaml reference/X-partial  # a cut-short run
     python -m replaynoise.reference contrast reference/A-vs-B.md reference/A reference/B  # two runs' excesses
+    python -m replaynoise.reference combine reference/A reference/A-again --out reference/  # runs of one campaign
 
 `rebuild` recomputes a reference folder's statistics, tables and figures from its committed per-pivot credit
 tables and configuration alone, and checks each rebuilt file against the folder's manifest: a reader needs no
@@ -25,6 +26,9 @@ clean provenance) when the rerun ran other code.
 `partial` keeps what a run cut short finished as a folder of its own (``replaynoise.partials``).
 
 `contrast` writes two folders' excesses and their difference with its interval (``report.contrasts``).
+
+`combine` takes runs of one campaign and gives the mean excess over them with an interval over problems, pass draws
+and runs, and the run-level SD (``report.combined``, ``analysis.runs``).
 
 `figure` redraws the channel-agreement figure of several reference folders together (one run's workflow draws
 only its own configurations), from their committed analysis files alone, so a reader can rebuild it on CPU.
@@ -50,6 +54,7 @@ from replaynoise.generation.passes import run_passes
 from replaynoise.io import read_json, read_manifest, read_parquet, sha256_file, write_json, write_text
 from replaynoise.partials import PARTIAL_FILE, partial, rebuild_partial
 from replaynoise.report import controls as report_controls
+from replaynoise.report.combined import combine_folders, combined_lines, write_combined
 from replaynoise.report.contrasts import contrast_lines
 from replaynoise.report.headline import headline_rows
 from replaynoise.report.plots import PLOTS
@@ -352,10 +357,26 @@ def _parser() -> argparse.ArgumentParser:
     vs.add_argument("out", type=Path)
     vs.add_argument("first", type=Path)
     vs.add_argument("second", type=Path)
+    runs = sub.add_parser(
+        "combine", help="combine runs of one campaign: the mean excess over runs with its interval and run-level SD"
+    )
+    runs.add_argument("folders", type=Path, nargs="+")
+    runs.add_argument("--out", type=Path, default=None, help="write DIR/combined-<configuration>.{json,md}")
+    runs.add_argument("--config", default=None, help="the configuration (default: the one the folders share)")
     fig = sub.add_parser("figure", help="draw the channel-agreement figure of several reference folders into OUT")
     fig.add_argument("out", type=Path)
     fig.add_argument("folders", type=Path, nargs="+")
     return parser
+
+
+def _combine(args: argparse.Namespace, argv: list[str] | None) -> int:
+    record = combine_folders(args.folders, args.config)
+    command = " ".join(["python -m replaynoise.reference", *(argv if argv is not None else sys.argv[1:])])
+    if args.out is None:
+        print("\n".join(combined_lines(record, command)))
+    else:
+        print(*write_combined(record, command, args.out))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             write_text("\n".join(contrast_lines(args.first, args.second)) + "\n", args.out)
             print(f"{args.out}: {args.first} - {args.second}")
             return 0
+        if args.command == "combine":
+            return _combine(args, argv)
         if args.command == "figure":
             args.out.mkdir(parents=True, exist_ok=True)
             data = channel_data(args.folders)

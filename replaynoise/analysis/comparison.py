@@ -206,28 +206,47 @@ def _block(
     return block
 
 
+def pair_sets(
+    wide: pl.DataFrame, conditioning: str, pairs: Sequence[tuple[str, str]]
+) -> tuple[np.ndarray | None, str | None]:
+    """The R x n masks of a conditioning's set over each pair (exact, replica draw r, refeed draw r), or (None, why)
+    where the conditioning cannot be formed."""
+    masks = []
+    for replica, refeed in pairs:
+        keep, reason = keep_expression(wide, conditioning, ("exact", replica, refeed))
+        if keep is None:
+            return None, reason
+        masks.append(wide.select(keep.fill_null(False))[:, 0].to_numpy())
+    return np.array(masks), None
+
+
+def pair_disagreements(
+    wide: pl.DataFrame, pairs: Sequence[tuple[str, str]], metric: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(re-feed flips, floor flips), R x n: each pair's refeed and replica draw against the exact pass."""
+    a = {
+        name: wide[pass_columns(name)["a_hat"]].cast(pl.Float64).fill_null(0.0).to_numpy()
+        for name in ("exact", *(p for pair in pairs for p in pair))
+    }
+    refeed = np.array([disagree(a["exact"], a[f], metric) for _, f in pairs])
+    floor = np.array([disagree(a["exact"], a[r], metric) for r, _ in pairs])
+    return refeed, floor
+
+
 def replicated_block(
     wide: pl.DataFrame, conditioning: str, pairs: Sequence[tuple[str, str]], s: AnalysisSettings
 ) -> dict:
     """A conditioning over R pairs of draws (``replicate_pairs``): pair r's set is the conditioning over exact,
     replica draw r and refeed draw r; the excess, re-feed rate and floor are pooled over the pairs, each with the
     crossed (problems x pairs) interval and the problem-only one (``replicated.replicated_stats``), per metric."""
-    masks = []
-    for replica, refeed in pairs:
-        keep, reason = keep_expression(wide, conditioning, ("exact", replica, refeed))
-        if keep is None:
-            return {"available": False, "reason": reason}
-        masks.append(wide.select(keep.fill_null(False))[:, 0].to_numpy())
+    masks, reason = pair_sets(wide, conditioning, pairs)
+    if masks is None:
+        return {"available": False, "reason": reason}
     codes = np.unique(wide["problem_id"].to_numpy(), return_inverse=True)[1]
-    a = {
-        name: wide[pass_columns(name)["a_hat"]].cast(pl.Float64).fill_null(0.0).to_numpy()
-        for name in ("exact", *(p for pair in pairs for p in pair))
-    }
     by_metric = {}
     for m in METRICS:
-        refeed = np.array([disagree(a["exact"], a[f], m) for _, f in pairs])
-        floor = np.array([disagree(a["exact"], a[r], m) for r, _ in pairs])
-        by_metric[m] = replicated_stats(codes, np.array(masks), refeed, floor, ci=s.ci, n_boot=s.n_boot, seed=s.seed)
+        refeed, floor = pair_disagreements(wide, pairs, m)
+        by_metric[m] = replicated_stats(codes, masks, refeed, floor, ci=s.ci, n_boot=s.n_boot, seed=s.seed)
     block: dict[str, Any] = {
         "available": True,
         "draws": [list(p) for p in pairs],
