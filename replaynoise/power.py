@@ -9,6 +9,12 @@ A pilot's ``comparison.json`` holds, per conditioning, the crossed model's varia
 sigma_u^2/G + sigma_v^2/R + sigma_w^2/(G R) with the pilot's pivots per problem; the power to exclude zero at a true
 excess of d is P(|estimate|/SE > t) with the design's Satterthwaite degrees of freedom (``replicated.plan``). A pilot
 of one draw per pass has no pass component to plan with, so it is refused: run it with replay.replicates >= 2.
+
+The pass-level SD of a pilot of three pairs is poorly estimated (its F test rarely rejects), so the power at the
+pilot's own size is given over its interval: at SD 0, at the estimate and at the upper bound. ``--runs K ...`` with
+``--run-sd PP ...`` plans runs too: the power of the interval over problems, pass draws and runs
+(``analysis.runs.plan_runs``) for the mean over K runs, at a run-level SD the pilot cannot give (one run has none;
+``python -m replaynoise.reference combine`` estimates it from two runs or more, poorly).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from replaynoise.analysis.replicated import Components, plan
+from replaynoise.analysis.runs import plan_runs
 from replaynoise.io import read_json
 from replaynoise.report.summary import aligned
 
@@ -50,6 +57,21 @@ def pilot_components(comparison: dict, conditioning: str) -> Components:
     )
 
 
+def at_pass_sd(comp: Components, sd_pp: float) -> Components:
+    """The pilot with its pass-level SD set to ``sd_pp``: its mean squares those the components expect at its own
+    design, so that ``plan`` reads the power at the pilot's size for another pass-level SD."""
+    pass_level = (sd_pp / 100) ** 2
+    ms_e = comp.residual
+    expected = (ms_e + comp.n_pairs * comp.problem, ms_e + comp.n_problems * pass_level, ms_e)
+    return Components(comp.problem, pass_level, ms_e, comp.n_problems, comp.n_pairs, expected)
+
+
+def pass_sd_bounds(comparison: dict, conditioning: str) -> tuple[float, float, float | None]:
+    """(0 or the interval's lower end, the estimate, the upper bound) of the pilot's pass-level SD, pp."""
+    parts = comparison["conditionings"][conditioning]["replicated"]["excess_pp"]["crossed"]["components"]
+    return parts.get("pass_sd_ci_lo") or 0.0, parts["pass_sd"], parts.get("pass_sd_ci_hi")
+
+
 def power_table(
     comparison: dict,
     conditioning: str,
@@ -72,8 +94,10 @@ def power_table(
             "true excess pp",
             *(f"problems for {power:.0%} power, {r} pairs" for r in pairs),
             f"power at the pilot's {comp.n_problems} x {comp.n_pairs}",
+            "over its pass-SD interval (low / estimate / high)",
         ]
     ]
+    low, _, high = pass_sd_bounds(comparison, conditioning)
     for d in excess:
         rows = plan(comp, d, problems=problems, pairs=pairs, ci=ci, power=power)
         row = [f"{d:+.1f}"]
@@ -81,8 +105,42 @@ def power_table(
             enough = [x["problems"] for x in rows if x["pairs"] == r and x["enough"]]
             row.append(str(min(enough)) if enough else f"> {max(problems)}")
         own = plan(comp, d, problems=[comp.n_problems], pairs=[comp.n_pairs], ci=ci, power=power)[0]
-        cells.append(row + [f"{own['power']:.2f}"])
+        spread = [
+            plan(at_pass_sd(comp, sd), d, problems=[comp.n_problems], pairs=[comp.n_pairs], ci=ci)[0]["power"]
+            for sd in (low, high)
+            if sd is not None
+        ]
+        over = " / ".join(f"{x:.2f}" for x in [spread[0], own["power"], *spread[1:]])
+        cells.append(
+            row
+            + [
+                f"{own['power']:.2f}",
+                f"{over} at SD {low:.1f} / {100 * comp.pass_level**0.5:.1f} / "
+                + (f"{high:.1f}" if high is not None else "n/a"),
+            ]
+        )
     return "\n".join(lines + aligned(cells, indent="  ")) + "\n"
+
+
+def runs_table(
+    comparison: dict,
+    conditioning: str,
+    excess: list[float],
+    runs: Sequence[int],
+    run_sds: Sequence[float],
+    problems: Sequence[int] = PROBLEMS,
+) -> str:
+    """The power of the mean over K runs (the pilot's pairs per run) to resolve each excess, per run-level SD."""
+    comp = pilot_components(comparison, conditioning)
+    ci = comparison["parameters"]["ci"]
+    cells = [["true excess pp", "run SD pp", "runs", *(f"power at {g} problems" for g in problems)]]
+    for d in excess:
+        for sd in run_sds:
+            rows = plan_runs(comp, d, problems=problems, runs=runs, run_sd_pp=sd, ci=ci)
+            for k in runs:
+                cells.append([f"{d:+.1f}", f"{sd:.1f}", str(k), *(f"{x['power']:.2f}" for x in rows if x["runs"] == k)])
+    head = f"{comparison.get('config')}, {conditioning} conditioning: runs of {comp.n_pairs} pairs each"
+    return "\n".join([head, *aligned(cells, indent="  ")]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", action="append", help="configuration(s) (default: every one with replicates)")
     ap.add_argument("--conditioning", default="main")
     ap.add_argument("--excess", type=float, nargs="+", default=[5.0, 10.0, 20.0], help="true excesses, pp")
+    ap.add_argument("--runs", type=int, nargs="+", help="plan the mean over this many runs (each >= 2)")
+    ap.add_argument("--run-sd", type=float, nargs="+", default=[0.0, 2.8, 5.4, 9.7], help="run-level SDs, pp")
     args = ap.parse_args(argv)
     found = sorted(p for p in (args.folder / "analysis").glob("*/comparison.json") if p.parent.name != "pooled")
     if args.config:
@@ -101,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     printed = 0
     for path in found:
         try:
-            print(power_table(read_json(path), args.conditioning, args.excess))
+            comparison = read_json(path)
+            print(power_table(comparison, args.conditioning, args.excess))
+            if args.runs:
+                print(runs_table(comparison, args.conditioning, args.excess, args.runs, args.run_sd))
             printed += 1
         except ValueError as exc:
             print(f"skipped: {exc}", file=sys.stderr)
