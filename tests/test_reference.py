@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -386,9 +387,13 @@ def test_power_planning_reads_a_pilot_s_components_and_refuses_a_pilot_of_one_dr
     assert power_main([str(tmp_path), "--excess", "5", "40"]) == 0
     captured = capsys.readouterr()
     assert "skipped: one: main: no replicated passes" in captured.err
-    rows = [line.split() for line in captured.out.splitlines() if line.strip().startswith(("+5.0", "+40.0"))]
+    lines = [line.strip() for line in captured.out.splitlines()]
+    rows = [re.split(r"\s{2,}", line) for line in lines if line.startswith(("+5.0", "+40.0"))]
     five, forty = rows
-    assert float(forty[-1]) > float(five[-1])  # power at the pilot's size grows with the excess
+    assert float(forty[-2]) > float(five[-2])  # power at the pilot's size grows with the excess
+    for row in rows:  # over the pass-SD interval: the estimate's power in the middle, the bound's the lowest
+        low, mid, high = (float(x) for x in row[-1].split(" at ")[0].split(" / "))
+        assert mid == float(row[-2]) and high <= mid <= low
     assert power_main([str(tmp_path), "--config", "one"]) == 2
 
 
