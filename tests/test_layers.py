@@ -28,6 +28,7 @@ TOP = {
     "reference",
     "reanalyze",
     "power",
+    "fingerprint",
 }
 #: Bottom to top. A module may import only modules of earlier layers (or of its own package's base).
 LAYERS = [
@@ -106,7 +107,7 @@ LAYERS = [
     ["report.plots"],
     ["report.controls", "report.training"],
     ["config_checks"],
-    ["config", "plan"],
+    ["config", "plan", "fingerprint"],
     ["machine", "provenance", "snapshots", "paper_records"],
     ["partials"],
     ["reference", "reanalyze", "power"],
