@@ -29,6 +29,8 @@ TOP = {
     "reanalyze",
     "power",
     "fingerprint",
+    "divergence",
+    "reproduction",
 }
 #: Bottom to top. A module may import only modules of earlier layers (or of its own package's base).
 LAYERS = [
@@ -109,7 +111,8 @@ LAYERS = [
     ["config_checks"],
     ["config", "plan", "fingerprint"],
     ["machine", "provenance", "snapshots", "paper_records"],
-    ["partials"],
+    ["partials", "divergence"],
+    ["reproduction"],
     ["reference", "reanalyze", "power"],
 ]
 #: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when
