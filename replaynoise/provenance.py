@@ -11,7 +11,6 @@ import functools
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 from replaynoise.config import analysis_hash as config_hash
 from replaynoise.config import deviations
+from replaynoise.fingerprint import environment_fingerprint, nvidia_driver
 from replaynoise.io import read_json, read_manifest, sha256_file, write_text
 
 #: Packages whose versions go into provenance.json.
@@ -35,6 +35,7 @@ TRACKED_PACKAGES = (
     "math-verify",
     "numpy",
     "vllm",
+    "sglang",
 )
 
 
@@ -202,24 +203,8 @@ def hardware() -> dict[str, Any]:
     except ImportError:  # provenance must still be written where torch is absent
         info["cuda"] = None
     # read without torch (the manifest step's environment may lack it); on the host that writes the record
-    info["cuda_driver"] = nvidia_driver() if shutil.which("nvidia-smi") else None
+    info["cuda_driver"] = nvidia_driver()
     return info
-
-
-def nvidia_driver() -> str | None:
-    """The NVIDIA driver version (kernels and their numerics can change with it); None where it cannot be read."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    versions = sorted({line.strip() for line in out.splitlines() if line.strip()})
-    return ", ".join(versions) or None
 
 
 def install_mode() -> str:
@@ -237,8 +222,11 @@ def install_mode() -> str:
 RECORDED_VARIABLES = ("REPLAYNOISE_STATIC_ATTENTION",)
 
 
-def provenance_record(config: dict, analysis_hash: str, repo_dir: str | os.PathLike, **extra: Any) -> dict:
-    """What a reviewer needs to trust the numbers: code, settings, deviations, software, hardware, seeds."""
+def provenance_record(
+    config: dict, analysis_hash: str, repo_dir: str | os.PathLike, logs: Path | None = None, **extra: Any
+) -> dict:
+    """What a reviewer needs to trust the numbers: code, settings, deviations, software, hardware, seeds, and the
+    environment's fingerprint (``replaynoise.fingerprint``; what the engines resolved is read from ``logs``)."""
 
     return {
         "git": git_commit(repo_dir),
@@ -254,6 +242,7 @@ def provenance_record(config: dict, analysis_hash: str, repo_dir: str | os.PathL
         "install_mode": install_mode(),
         # variables that change how the numbers are computed (unset: the default)
         "environment": {name: os.environ.get(name) for name in RECORDED_VARIABLES},
+        "fingerprint": environment_fingerprint(config, logs),
         **extra,
     }
 

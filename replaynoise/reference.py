@@ -7,6 +7,7 @@ so a reviewer can tell a platform's last-bit drift from a different result.
 
     python -m replaynoise.reference snapshot results reference/cpu   # after a campaign, to commit
     python -m replaynoise.reference compare reference/cpu results    # after a rerun; exit 1 on a difference
+    python -m replaynoise.reference reproduce reference/gpu/qwen --workdir W  # replaynoise.reproduction
     python -m replaynoise.reference rebuild reference/gpu/qwen /tmp/qwen  # on CPU; exit 1 on a difference
     python -m replaynoise.reference figure reference/gpu reference/gpu/smollm2 reference/gpu/qwen ...
     python -m replaynoise.reference partial results config/campaigns/X.yaml reference/X-partial  # a cut-short run
@@ -59,11 +60,11 @@ from replaynoise.report.contrasts import contrast_lines
 from replaynoise.report.headline import headline_rows
 from replaynoise.report.plots import PLOTS
 from replaynoise.report.tables import mismatch_lines, write_headline_tables
+from replaynoise.reproduction import add_rerun_parsers, parse_arguments, rerun_command
 from replaynoise.settings import AnalysisSettings
 from replaynoise.snapshots import (
     REPRODUCE_FILE,
     check_destination,
-    compare,
     edited_files,
     reproducing_commit,
     snapshot,
@@ -320,9 +321,7 @@ def _parser() -> argparse.ArgumentParser:
     snap = sub.add_parser("snapshot", help="copy a finished run's small outputs into a reference folder")
     snap.add_argument("results", type=Path)
     snap.add_argument("reference", type=Path)
-    check = sub.add_parser("compare", help="check a rerun against a reference folder (exit 1 on a difference)")
-    check.add_argument("reference", type=Path)
-    check.add_argument("results", type=Path)
+    add_rerun_parsers(sub)  # compare, reproduce
     again = sub.add_parser(
         "rebuild",
         help="recompute a reference folder's statistics, tables and figures from its "
@@ -380,7 +379,7 @@ def _combine(args: argparse.Namespace, argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_arguments(_parser(), argv)
     try:
         if args.command == "snapshot":
             copied = snapshot(args.results, args.reference)
@@ -413,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             PLOTS["channel_agreement"](data, args.out / "channel_agreement.png", args.out / "channel_agreement.pdf")
             print(f"{len(data)} configurations drawn to {args.out}/channel_agreement.{{png,pdf}}")
             return 0
-        return 0 if compare(args.reference, args.results) else 1
+        return rerun_command(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

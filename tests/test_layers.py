@@ -28,6 +28,9 @@ TOP = {
     "reference",
     "reanalyze",
     "power",
+    "fingerprint",
+    "divergence",
+    "reproduction",
 }
 #: Bottom to top. A module may import only modules of earlier layers (or of its own package's base).
 LAYERS = [
@@ -106,9 +109,10 @@ LAYERS = [
     ["report.plots"],
     ["report.controls", "report.training"],
     ["config_checks"],
-    ["config", "plan"],
+    ["config", "plan", "fingerprint"],
     ["machine", "provenance", "snapshots", "paper_records"],
-    ["partials"],
+    ["partials", "divergence"],
+    ["reproduction"],
     ["reference", "reanalyze", "power"],
 ]
 #: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when

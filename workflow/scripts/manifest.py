@@ -14,6 +14,7 @@ write_json(
         snakemake.params.config,
         snakemake.params.analysis_hash,
         snakemake.params.repo,
+        logs=Path(snakemake.log[0]).parent,
         manifest_files=n,
         inputs=input_checksums(
             snakemake.params.inputs, {r["path"]: r["sha256"] for r in map(read_json, snakemake.params.read)}
