@@ -22,6 +22,7 @@ include: "workflow/rules/figures.smk"
 include: "workflow/rules/controls.smk"
 include: "workflow/rules/manifest.smk"
 include: "workflow/rules/cost.smk"
+include: "workflow/rules/regime.smk"
 
 
 # Every output of every rule in the plan is a target, intermediates included: a file deleted between runs (a

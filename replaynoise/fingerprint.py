@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from replaynoise.io import read_json
+from replaynoise.settings import ENGINE_BEFORE_THE_KEY
 
 #: The package whose version decides each engine's kernels.
 ENGINE_PACKAGES = {"hf": "transformers", "vllm": "vllm", "sglang": "sglang"}
@@ -195,9 +196,9 @@ def environment_fingerprint(config: dict, logs: Path | None = None) -> dict[str,
     cards = cards or _smi_cards()
     engines = {}
     for name, settings in sorted(config.get("configs", {}).items()):
-        package = ENGINE_PACKAGES.get(settings.get("engine", "hf"))
+        package = ENGINE_PACKAGES.get(settings.get("engine", ENGINE_BEFORE_THE_KEY))
         engines[name] = {
-            "engine": settings.get("engine", "hf"),
+            "engine": settings.get("engine", ENGINE_BEFORE_THE_KEY),
             "package": package,
             "version": _version(package) if package else None,
             "settings": engine_settings(settings),
@@ -232,7 +233,7 @@ def recorded_fingerprint(record: dict) -> dict[str, Any]:
         found.update(_present(packages, {"torch": "torch"}))
         engines = {}
         for name, settings in sorted(((record.get("config") or {}).get("configs") or {}).items()):
-            engine = settings.get("engine", "hf")
+            engine = settings.get("engine", ENGINE_BEFORE_THE_KEY)
             engines[name] = {"engine": engine, "settings": engine_settings(settings)}
             engines[name].update(_present(packages, {"version": ENGINE_PACKAGES.get(engine, "")}))
         found["engines"] = engines

@@ -23,16 +23,9 @@ taken as committed.
 `tables` rewrites a reference folder's headline tables from its committed comparisons after a change of the
 table code alone. `compare` also names the commit that reproduces the reference (its ``reproduce.json``, or its
 clean provenance) when the rerun ran other code.
-
-`partial` keeps what a run cut short finished as a folder of its own (``replaynoise.partials``).
-
-`contrast` writes two folders' excesses and their difference with its interval (``report.contrasts``).
-
-`combine` takes runs of one campaign and gives the mean excess over them with an interval over problems, pass draws
-and runs, and the run-level SD (``report.combined``, ``analysis.runs``).
-
-`figure` redraws the channel-agreement figure of several reference folders together (one run's workflow draws
-only its own configurations), from their committed analysis files alone, so a reader can rebuild it on CPU.
+`partial` keeps what a cut-short run finished; `contrast` sets two folders' excesses side by side; `combine` gives
+the excess over runs of one campaign, its interval over problems, pass draws and runs; `figure` redraws the
+channel-agreement figure of several folders from their committed analysis files alone.
 """
 
 from __future__ import annotations
@@ -55,7 +48,7 @@ from replaynoise.generation.passes import run_passes
 from replaynoise.io import read_json, read_manifest, read_parquet, sha256_file, write_json, write_text
 from replaynoise.partials import PARTIAL_FILE, partial, rebuild_partial
 from replaynoise.report import controls as report_controls
-from replaynoise.report.combined import combine_folders, combined_lines, write_combined
+from replaynoise.report.combined import add_combine_parser, combine_command
 from replaynoise.report.contrasts import contrast_lines
 from replaynoise.report.headline import headline_rows
 from replaynoise.report.plots import PLOTS
@@ -356,26 +349,11 @@ def _parser() -> argparse.ArgumentParser:
     vs.add_argument("out", type=Path)
     vs.add_argument("first", type=Path)
     vs.add_argument("second", type=Path)
-    runs = sub.add_parser(
-        "combine", help="combine runs of one campaign: the mean excess over runs with its interval and run-level SD"
-    )
-    runs.add_argument("folders", type=Path, nargs="+")
-    runs.add_argument("--out", type=Path, default=None, help="write DIR/combined-<configuration>.{json,md}")
-    runs.add_argument("--config", default=None, help="the configuration (default: the one the folders share)")
+    add_combine_parser(sub)
     fig = sub.add_parser("figure", help="draw the channel-agreement figure of several reference folders into OUT")
     fig.add_argument("out", type=Path)
     fig.add_argument("folders", type=Path, nargs="+")
     return parser
-
-
-def _combine(args: argparse.Namespace, argv: list[str] | None) -> int:
-    record = combine_folders(args.folders, args.config)
-    command = " ".join(["python -m replaynoise.reference", *(argv if argv is not None else sys.argv[1:])])
-    if args.out is None:
-        print("\n".join(combined_lines(record, command)))
-    else:
-        print(*write_combined(record, command, args.out))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.out}: {args.first} - {args.second}")
             return 0
         if args.command == "combine":
-            return _combine(args, argv)
+            return combine_command(args, argv)
         if args.command == "figure":
             args.out.mkdir(parents=True, exist_ok=True)
             data = channel_data(args.folders)

@@ -203,6 +203,9 @@ class AnalysisSettings:
         )
 
 
+#: the engine of a configuration recorded before configurations named theirs (provenance of the first runs)
+ENGINE_BEFORE_THE_KEY = "hf"
+
 #: the disagreement metric of a comparison written before comparisons named theirs (reference/cpu's first
 #: three configurations): the sign metric, the only one there was
 METRIC_BEFORE_THE_KEY = "sign"

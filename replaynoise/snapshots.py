@@ -18,8 +18,8 @@ import polars as pl
 from replaynoise.io import read_json, read_manifest, sha256_file
 
 #: What a snapshot keeps of a run's manifest: small, human-readable outputs and the per-pivot tables every statistic
-#: is computed from (credit, prefix mismatch). Replayed rows and KV files stay out; the manifest still carries their
-#: checksums. The manifest and provenance.json are copied beside them.
+#: is computed from (credit, prefix mismatch, each row's first step). Replayed rows and KV files stay out; the
+#: manifest still carries their checksums. The manifest and provenance.json are copied beside them.
 SNAPSHOT_GLOBS = (
     "tables/*",
     "figures/*.png",
@@ -27,6 +27,8 @@ SNAPSHOT_GLOBS = (
     "analysis/*/comparison.json",
     "analysis/*/channels.csv",
     "analysis/*/mismatch.parquet",
+    "analysis/*/first_steps.parquet",
+    "analysis/*/mechanism.json",
     "credit/*/*.parquet",
     "cost/cost.md",
     "cost/cost.csv",

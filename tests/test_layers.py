@@ -31,6 +31,7 @@ TOP = {
     "fingerprint",
     "divergence",
     "reproduction",
+    "regime",
 }
 #: Bottom to top. A module may import only modules of earlier layers (or of its own package's base).
 LAYERS = [
@@ -91,6 +92,7 @@ LAYERS = [
     ],
     ["generation.continuations"],
     ["generation.rollouts", "generation.replay", "generation.training"],
+    ["generation.regime"],
     [
         "analysis.disagreement",
         "analysis.groups",
@@ -100,11 +102,11 @@ LAYERS = [
         "analysis.verification",
     ],
     ["analysis.paper_stats"],
-    ["analysis.replicated", "analysis.prefix_mismatch", "analysis.probes"],
+    ["analysis.replicated", "analysis.prefix_mismatch", "analysis.probes", "analysis.agreement"],
     ["analysis.comparison", "analysis.controls"],
-    ["analysis.pooling", "analysis.cross_scoring", "analysis.runs"],
+    ["analysis.pooling", "analysis.cross_scoring", "analysis.runs", "analysis.mechanism"],
     ["report.summary", "report.cost", "report.drawing", "report.headline", "report.contrasts", "report.combined"],
-    ["report.tables", "report.figures"],
+    ["report.tables", "report.figures", "report.mechanism"],
     ["report.credit_figures"],
     ["report.plots"],
     ["report.controls", "report.training"],
@@ -113,7 +115,7 @@ LAYERS = [
     ["machine", "provenance", "snapshots", "paper_records"],
     ["partials", "divergence"],
     ["reproduction"],
-    ["reference", "reanalyze", "power"],
+    ["reference", "reanalyze", "power", "regime"],
 ]
 #: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when
 #: chosen, so that importing the engine interface (the passes, the analysis) never loads torch or vLLM.

@@ -11,7 +11,7 @@ from helpers import REPO, TINY, rerun_readers, with_setting
 
 PASSES = {f"replay_{p}" for p in TINY["replay"]["passes"]}
 ROLLOUTS = {"generate_rollouts"}
-ANALYSIS = {"compare_passes", "compare_pooled"}
+ANALYSIS = {"compare_passes", "compare_pooled", "mechanism"}
 FIGURES = {
     f"figure_{f}"
     for f in (
@@ -96,6 +96,10 @@ READERS = {
     "cost.gpu_hour": (3.0, RECORD),
     "cost.cpu_core_hour": (0.03, RECORD),
     "cost.currency": ("EUR", RECORD),
+    # the regime probe is no step of a campaign (snakemake regime; tests/test_mechanism.py checks its own reruns)
+    "regime.problems": (2, RECORD),
+    "regime.rollouts": (2, RECORD),
+    "regime.pivots": (4, RECORD),
 }
 
 #: Keys a change of which the tiny finished run cannot plan, and where their readers are checked instead.

@@ -4,6 +4,8 @@ runs estimate that shift."""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +147,24 @@ def write_combined(record: dict, command: str, out: Path) -> tuple[Path, Path]:
     write_json({**record, "command": command}, json_path)
     write_text("\n".join(combined_lines(record, command)) + "\n", md_path)
     return json_path, md_path
+
+
+def add_combine_parser(sub: Any) -> None:
+    """``reference combine``: its arguments, beside the reference commands."""
+    runs = sub.add_parser(
+        "combine", help="combine runs of one campaign: the mean excess over runs with its interval and run-level SD"
+    )
+    runs.add_argument("folders", type=Path, nargs="+")
+    runs.add_argument("--out", type=Path, default=None, help="write DIR/combined-<configuration>.{json,md}")
+    runs.add_argument("--config", default=None, help="the configuration (default: the one the folders share)")
+
+
+def combine_command(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``reference combine``: the record printed, or written under ``--out`` with the command that made it."""
+    record = combine_folders(args.folders, args.config)
+    command = " ".join(["python -m replaynoise.reference", *(argv if argv is not None else sys.argv[1:])])
+    if args.out is None:
+        print("\n".join(combined_lines(record, command)))
+    else:
+        print(*write_combined(record, command, args.out))
+    return 0

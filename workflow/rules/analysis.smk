@@ -78,6 +78,28 @@ rule compare_passes:
         "../scripts/compare_passes.py"
 
 
+rule mechanism:
+    input:
+        credit=lambda w: [credit_file(w.config, p) for p in RUN_PASSES],
+        passes=lambda w: [pass_file(w.config, p) for p in RUN_PASSES],
+        mismatch=mismatch_file("{config}"),
+    output:
+        steps=first_steps_file("{config}"),
+        summary=mechanism_file("{config}"),
+    log:
+        f"{LOGS}/mechanism/{{config}}.log",
+    localrule: True
+    conda:
+        "../../envs/analysis.yaml"
+    params:
+        code=code_version("mechanism"),
+        passes=RUN_PASSES,
+        analysis=config["analysis"],
+        seed=config["seed"],
+    script:
+        "../scripts/mechanism.py"
+
+
 rule compare_pooled:
     input:
         credit=all_credit,

@@ -21,6 +21,7 @@ from replaynoise.machine import job_gpus, overlay_adds_default_configs, platform
 from replaynoise.data.models import model_source_files, prepared_model_key  # noqa: E402
 from replaynoise.overlays import misordered  # noqa: E402
 from replaynoise.generation.passes import pass_spec, run_passes  # noqa: E402
+from replaynoise.generation.regime import RegimeSettings  # noqa: E402
 from replaynoise.plan import (  # noqa: E402
     FROM_COMPARISONS,
     FROM_CREDIT,
@@ -238,6 +239,25 @@ def mismatch_file(config_name):
     return f"results/analysis/{config_name}/mismatch.parquet"
 
 
+#: The regime probe's size (``regime``), resolved once against the campaign's rollout block.
+REGIME = vars(RegimeSettings.of(config.get("regime"), config["rollouts"]))
+
+
+def regime_file(config_name, name):
+    """A regime probe's output (``config_name`` "all": the summary of every configuration's)."""
+    return f"results/regime/{config_name}/{name}"
+
+
+def first_steps_file(config_name):
+    """Per pass and row of exact and the replica and refeed draws: the first step's digest and top-1."""
+    return f"results/analysis/{config_name}/first_steps.parquet"
+
+
+def mechanism_file(config_name):
+    """Where re-fed state stops equalling the decode-time state, by position and prefix length."""
+    return f"results/analysis/{config_name}/mechanism.json"
+
+
 def table_file(name, ext):
     return f"results/tables/{name}.{ext}"
 
@@ -403,12 +423,12 @@ def planned_jobs():
         jobs += [
             (step, {"config": c, "pass_name": p}) for p in RUN_PASSES for step in ("gather_pass", "compute_credit")
         ]
-        jobs += [(step, {"config": c}) for step in ("prefix_mismatch", "compare_passes")]
+        jobs += [(step, {"config": c}) for step in ("prefix_mismatch", "compare_passes", "mechanism")]
     jobs += [("compare_pooled", {})]
     jobs += [("cross_score", {"rollouts": a, "config": b}) for a, b in CROSS_PAIRS]
     jobs += [("headline_tables", {})] + [(f"table_{name}", {}) for name in CONTROL_TABLES]
     figures = FIGURES_FROM_COMPARISONS + FIGURES_FROM_CREDIT + ["channel_agreement"] + CONTROL_FIGURES
-    return jobs + [(f"figure_{name}", {}) for name in figures]
+    return jobs + [(f"figure_{name}", {}) for name in [*figures, "mechanism"]]
 
 
 def job_outputs(step, wildcards):

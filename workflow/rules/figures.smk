@@ -74,3 +74,22 @@ rule figures:
             for ext in ("png", "pdf")
         ],
     localrule: True
+
+
+rule figure_mechanism:
+    input:
+        [mechanism_file(c) for c in CONFIGS],
+    output:
+        **figure_outputs("mechanism"),
+        csv=table_file("mechanism", "csv"),
+        md=table_file("mechanism", "md"),
+    log:
+        f"{LOGS}/figure_mechanism.log",
+    localrule: True
+    conda:
+        "../../envs/analysis.yaml"
+    params:
+        code=code_version("figure_mechanism"),
+        configs=CONFIGS,
+    script:
+        "../scripts/figure_mechanism.py"
