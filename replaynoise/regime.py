@@ -26,8 +26,9 @@ from replaynoise.analysis.agreement import (
     regime_stats,
     token_gaps,
 )
-from replaynoise.analysis.mechanism import mechanism_summary, replay_draws
+from replaynoise.analysis.mechanism import mechanism_summary
 from replaynoise.analysis.prefix_mismatch import mismatch_rows
+from replaynoise.generation.passes import replay_draws
 from replaynoise.generation.regime import ProbeRun
 from replaynoise.io import read_json, read_parquet, write_json, write_text
 from replaynoise.report.mechanism import markdown, plot_mechanism, write_table
@@ -43,8 +44,7 @@ def probe_rows(run: ProbeRun) -> tuple[pl.DataFrame, pl.DataFrame]:
 def rows_stats(steps: pl.DataFrame, mismatch: pl.DataFrame) -> dict[str, Any]:
     """``regime_stats`` of a probe's kept rows, each pivot's prefix length read from its exact rows."""
     exact = steps.filter(pl.col("pass") == "exact").unique("pivot_id")
-    prefix_len = dict(zip(*exact.select("pivot_id", "prefix_len").get_columns()))
-    return regime_stats(pivot_agreement(steps), token_gaps(mismatch, prefix_len) if mismatch.height else None)
+    return regime_stats(pivot_agreement(steps), token_gaps(mismatch, exact) if mismatch.height else None)
 
 
 def probe_summary(run: ProbeRun, steps: pl.DataFrame, mismatch: pl.DataFrame) -> dict[str, Any]:
@@ -168,10 +168,9 @@ def folder_mechanism(reference: Path, config: str) -> dict[str, Any]:
 def campaign_side(reference: Path) -> dict[str, Any]:
     """The probe's statistics computed from a committed campaign's own rows, with the campaign's headline rates."""
     config, credit, steps, mismatch = folder_rows(reference)
-    prefix_len = dict(zip(*credit["exact"].select("pivot_id", "prefix_len").get_columns()))
     stats = regime_stats(
         pivot_agreement(steps) if steps is not None else None,
-        token_gaps(mismatch, prefix_len) if mismatch is not None else None,
+        token_gaps(mismatch, credit["exact"]) if mismatch is not None else None,
     )
     analysis = Path(reference) / "analysis" / config
     comparison = read_json(analysis / "comparison.json")

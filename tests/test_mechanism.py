@@ -25,8 +25,8 @@ from replaynoise.analysis.agreement import (
 )
 from replaynoise.analysis.comparison import replicated_block
 from replaynoise.analysis.conditionings import wide_frame
-from replaynoise.analysis.mechanism import credit_by_length, main_flips, mechanism_summary, replay_draws
-from replaynoise.generation.passes import replicate_pairs
+from replaynoise.analysis.mechanism import credit_by_length, main_flips, mechanism_summary
+from replaynoise.generation.passes import replay_draws, replicate_pairs
 from replaynoise.io import read_json, read_parquet
 from replaynoise.regime import folder_mechanism, main, recompute, validation_markdown, validation_rows
 from replaynoise.settings import AnalysisSettings
@@ -115,7 +115,7 @@ def test_tokens_are_placed_by_the_keys_their_step_attended():
             "refeed_logprobs": [[-1.0, -2.5, -3.0], []],
         }
     )
-    gaps = token_gaps(mismatch, {"a": 10, "b": 5})
+    gaps = token_gaps(mismatch, pl.DataFrame({"pivot_id": ["a", "b"], "prefix_len": [10, 5]}))
     assert gaps["keys"].to_list() == [7, 8, 9]
     assert gaps["pivot_id"].to_list() == ["a"] * 3
     positions = position_agreement(gaps)

@@ -111,18 +111,15 @@ def pivot_agreement(steps: pl.DataFrame, reference: str = REFERENCE_PASS) -> pl.
 
 
 # --------------------------------------------------------------------------------------------- positions
-def token_gaps(mismatch: pl.DataFrame, prefix_len: Mapping[str, int]) -> pl.DataFrame:
+def token_gaps(mismatch: pl.DataFrame, lengths: pl.DataFrame) -> pl.DataFrame:
     """One row per pass, pivot and re-fed prefix token: its absolute position (the keys its step attended) and its
-    decode-time and re-fed log-probs. The tokens of a pivot's prefix are the last ``len(decode_logprobs)`` before
-    ``prefix_len``; pivots with no scored token are left out."""
+    decode-time and re-fed log-probs. The tokens of a pivot's prefix are the last ``len(decode_logprobs)`` before its
+    ``prefix_len`` (``lengths``: one row per pivot, ``pivot_id`` and ``prefix_len``); pivots with no scored token
+    are left out."""
     frame = mismatch.select("pass", "pivot_id", "decode_logprobs", "refeed_logprobs").filter(
         pl.col("decode_logprobs").list.len() > 0
     )
-    lengths = pl.DataFrame(
-        {"pivot_id": list(prefix_len), "prefix_len": list(prefix_len.values())},
-        schema={"pivot_id": pl.String, "prefix_len": pl.Int64},
-    )
-    frame = frame.join(lengths, on="pivot_id", how="inner")
+    frame = frame.join(lengths.select("pivot_id", "prefix_len"), on="pivot_id", how="inner")
     frame = frame.with_columns(
         pl.int_ranges(pl.col("prefix_len") - pl.col("decode_logprobs").list.len(), pl.col("prefix_len")).alias("keys")
     )
@@ -184,8 +181,8 @@ def change_point(keys: np.ndarray, tokens: np.ndarray, equal_share: np.ndarray) 
         return {**out, "share_below": share, "share_above": share, "tokens_below": int(n.sum())}
     return {
         "keys": int(keys[best + 1]),
-        "share_below": json_number(e_lo[best] / n_lo[best]),
-        "share_above": json_number(e_hi[best] / n_hi[best]),
+        "share_below": json_number(below),
+        "share_above": json_number(above),
         "tokens_below": int(n_lo[best]),
         "tokens_above": int(n_hi[best]),
     }
@@ -229,23 +226,29 @@ def per_bin(frame: pl.DataFrame, edges: Sequence[int], aggregates: list[pl.Expr]
     return {r.pop("bin"): r for r in binned.group_by("bin").agg(aggregates).iter_rows(named=True)}
 
 
+def first_step_shares(agreement: pl.DataFrame, names: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Per pass of ``names`` (default: every pass of ``agreement``, ordered) that has rows: its pivots, the share of
+    its rows whose first step equals exact's and the share of pivots all of whose rows do."""
+    names = sorted(agreement["pass"].unique()) if names is None else names
+    shares = {}
+    for name in names:
+        mine = agreement.filter(pl.col("pass") == name)
+        if not mine.is_empty():
+            shares[name] = {
+                "pivots": mine.height,
+                "equal": json_number(mine["equal"].mean()),
+                "all_equal": json_number(mine["all_equal"].mean()),
+            }
+    return shares
+
+
 def regime_stats(agreement: pl.DataFrame | None, gaps: pl.DataFrame | None) -> dict[str, Any]:
     """What a regime probe reports, computed alike from a probe's rows and from a committed campaign's (so that one
     can be checked against the other): the first step's agreement of refeed and replica with exact, by prefix-length
     bin too, and the re-fed prefix tokens' equality, token_mult_prob_error and k3_kl with the change point by keys."""
     out: dict[str, Any] = {}
     if agreement is not None and not agreement.is_empty():
-        first = {}
-        for name in ("refeed", "replica"):
-            mine = agreement.filter(pl.col("pass") == name)
-            if mine.is_empty():
-                continue
-            first[name] = {
-                "pivots": mine.height,
-                "equal": json_number(mine["equal"].mean()),
-                "all_equal": json_number(mine["all_equal"].mean()),
-            }
-        out["first_step"] = first
+        out["first_step"] = first_step_shares(agreement, ("refeed", "replica"))
         refeed = agreement.filter(pl.col("pass") == "refeed")
         if not refeed.is_empty():
             edges = length_bins(refeed["prefix_len"].to_list())

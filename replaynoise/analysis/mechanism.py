@@ -22,6 +22,7 @@ from replaynoise.analysis.agreement import (
     REFERENCE_PASS,
     bin_label,
     bin_of,
+    first_step_shares,
     gap_stats,
     length_bins,
     per_bin,
@@ -31,15 +32,8 @@ from replaynoise.analysis.agreement import (
 )
 from replaynoise.analysis.comparison import pair_disagreements, pair_sets
 from replaynoise.analysis.conditionings import PAPER_CONDITIONING, wide_frame
-from replaynoise.analysis.paper_stats import json_number
 from replaynoise.analysis.replicated import replicated_stats
-from replaynoise.generation.passes import draws, replicate_pairs
-
-
-def replay_draws(passes: Sequence[str]) -> list[str]:
-    """The passes the mechanism reads: exact and every draw of replica and of refeed (controls left out: they may
-    replay a sample of the pivots, or no decode-time state at all)."""
-    return [REFERENCE_PASS, *draws(list(passes), "replica"), *draws(list(passes), "refeed")]
+from replaynoise.generation.passes import replicate_pairs
 
 
 def _interval(stat: dict) -> tuple[float | None, float | None, str]:
@@ -160,19 +154,10 @@ def mechanism_summary(
 ) -> dict[str, Any]:
     """Everything ``mechanism.json`` holds for one configuration: the prefix-length table, the per-position
     agreement of the first re-feed draw with its change point, and the overall first-step agreement of each pass."""
-    prefix_len = dict(zip(*credit[REFERENCE_PASS].select("pivot_id", "prefix_len").get_columns()))
     agreement = pivot_agreement(steps) if steps is not None and not steps.is_empty() else None
-    gaps = token_gaps(mismatch, prefix_len) if mismatch is not None and not mismatch.is_empty() else None
+    gaps = token_gaps(mismatch, credit[REFERENCE_PASS]) if mismatch is not None and not mismatch.is_empty() else None
     table = length_table(credit, agreement, gaps, metric=metric, ci=ci, n_boot=n_boot, seed=seed)
-    stats = regime_stats(agreement, gaps)
-    stats.pop("first_step_by_length", None)  # the length table holds it, beside the rates
+    stats = regime_stats(None, gaps)  # the prefix tokens' part: the length table holds the first steps by length
     if agreement is not None:  # every draw's, not only the first ones'
-        stats["first_step"] = {
-            name: {
-                "pivots": part.height,
-                "equal": json_number(part["equal"].mean()),
-                "all_equal": json_number(part["all_equal"].mean()),
-            }
-            for (name,), part in sorted(agreement.group_by("pass"), key=lambda g: str(g[0][0]))
-        }
+        stats["first_step"] = first_step_shares(agreement)
     return {"metric": metric, "definitions": DEFINITIONS, "by_length": table.to_dicts(), **stats}

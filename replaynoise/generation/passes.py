@@ -164,6 +164,12 @@ def draws(passes: list[str], base: str) -> list[str]:
     return found
 
 
+def replay_draws(passes: list[str]) -> list[str]:
+    """Exact and every draw of replica and of refeed among ``passes``: what the mechanism step reads (controls left
+    out: they may replay a sample of the pivots, or no decode-time state at all)."""
+    return ["exact", *draws(passes, "replica"), *draws(passes, "refeed")]
+
+
 def replicate_pairs(passes: list[str]) -> list[tuple[str, str]]:
     """The (replica draw, refeed draw) pairs of a run: draw r with draw r, as many as both passes have."""
     replica, refeed = draws(passes, "replica"), draws(passes, "refeed")

@@ -80,8 +80,8 @@ rule compare_passes:
 
 rule mechanism:
     input:
-        credit=lambda w: [credit_file(w.config, p) for p in RUN_PASSES],
-        passes=lambda w: [pass_file(w.config, p) for p in RUN_PASSES],
+        credit=lambda w: [credit_file(w.config, p) for p in MECHANISM_PASSES],
+        passes=lambda w: [pass_file(w.config, p) for p in MECHANISM_PASSES],
         mismatch=mismatch_file("{config}"),
     output:
         steps=first_steps_file("{config}"),
@@ -93,7 +93,7 @@ rule mechanism:
         "../../envs/analysis.yaml"
     params:
         code=code_version("mechanism"),
-        passes=RUN_PASSES,
+        passes=MECHANISM_PASSES,
         analysis=config["analysis"],
         seed=config["seed"],
     script:

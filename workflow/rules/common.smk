@@ -20,7 +20,7 @@ from replaynoise.data.datasets import check_n_problems  # noqa: E402
 from replaynoise.machine import job_gpus, overlay_adds_default_configs, platform_problems  # noqa: E402
 from replaynoise.data.models import model_source_files, prepared_model_key  # noqa: E402
 from replaynoise.overlays import misordered  # noqa: E402
-from replaynoise.generation.passes import pass_spec, run_passes  # noqa: E402
+from replaynoise.generation.passes import pass_spec, replay_draws, run_passes  # noqa: E402
 from replaynoise.generation.regime import RegimeSettings  # noqa: E402
 from replaynoise.plan import (  # noqa: E402
     FROM_COMPARISONS,
@@ -72,6 +72,11 @@ if not workflow.config_settings.replace_workflow_config:
 CONFIGS = sorted(config["configs"])
 #: The passes of this run: replay.passes and the further draws of replay.replicates.
 RUN_PASSES = run_passes(config["replay"])
+#: What the mechanism step reads of them: exact and the draws of replica and refeed.
+MECHANISM_PASSES = replay_draws(RUN_PASSES)
+#: The rollout block as the model steps read it: the screen is select_pivots' alone, so a screen of other problems
+#: reuses the rollouts and every pass.
+ROLLOUT_BLOCK = {key: value for key, value in config["rollouts"].items() if key != "screen"}
 ANALYSIS_HASH = analysis_hash(config)
 PACKAGE_DIR = "resources/packages"
 LOGS = "results/logs"

@@ -27,7 +27,7 @@ rule regime_probe:
         seed=config["seed"],
         prompt=config["prompt"],
         pivots=config["pivots"],
-        rollouts={key: value for key, value in config["rollouts"].items() if key != "screen"},
+        rollouts=ROLLOUT_BLOCK,
         replay={key: value for key, value in config["replay"].items() if key not in ("passes", "replicates")},
         size=REGIME,
         topk=config["pivots"]["topk"],

@@ -24,8 +24,7 @@ rule generate_rollouts:
         seed=config["seed"],
         prompt=config["prompt"],
         pivots=config["pivots"],
-        # the screen is select_pivots' alone: a screen of other problems reuses the rollouts and every pass
-        rollouts={key: value for key, value in config["rollouts"].items() if key != "screen"},
+        rollouts=ROLLOUT_BLOCK,
         # read only to name a problem whose prompt does not fit by its file and line
         dataset=dict(source=config["dataset"]["source"], path=config["dataset"]["path"], cache=PACKAGE_DIR),
         topk=config["pivots"]["topk"],

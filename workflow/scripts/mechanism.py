@@ -6,14 +6,13 @@ from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
 from replaynoise.analysis.agreement import first_steps  # noqa: E402
-from replaynoise.analysis.mechanism import mechanism_summary, replay_draws  # noqa: E402
+from replaynoise.analysis.mechanism import mechanism_summary  # noqa: E402
 from replaynoise.io import read_parquet, write_json, write_parquet  # noqa: E402
 from replaynoise.settings import AnalysisSettings  # noqa: E402
 
 p, out = snakemake.params, snakemake.output
-used = replay_draws(p.passes)
-credit = {n: read_parquet(f) for n, f in zip(p.passes, snakemake.input.credit) if n in used}
-steps = first_steps({n: read_parquet(f) for n, f in zip(p.passes, snakemake.input.passes) if n in used})
+credit = {n: read_parquet(f) for n, f in zip(p.passes, snakemake.input.credit)}
+steps = first_steps({n: read_parquet(f) for n, f in zip(p.passes, snakemake.input.passes)})
 s = AnalysisSettings.of(p.analysis, p.seed)
 summary = mechanism_summary(
     credit, steps, read_parquet(snakemake.input.mismatch), metric=s.metric, ci=s.ci, n_boot=s.n_boot, seed=s.seed
