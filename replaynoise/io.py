@@ -234,3 +234,13 @@ def read_manifest(path: str | os.PathLike) -> dict[str, str]:
             raise ValueError(f"{path}:{number}: {match.group(2)!r} is listed twice")
         entries[match.group(2)] = match.group(1).lower()
     return entries
+
+
+def json_field(record: Any, source: str | os.PathLike, *keys: str) -> Any:
+    """``record[keys[0]][keys[1]]...``, or an error naming the file and the field a reader needed."""
+    node = record
+    for depth, key in enumerate(keys):
+        if not isinstance(node, dict) or key not in node:
+            raise ValueError(f"{source}: field {'.'.join(keys[: depth + 1])} missing")
+        node = node[key]
+    return node

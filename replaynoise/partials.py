@@ -16,20 +16,24 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import polars as pl
 import yaml
 
 from replaynoise.analysis.comparison import CACHE_COLUMNS, cache_summary, compare_passes
 from replaynoise.analysis.verification import check_verified, verification_summary
 from replaynoise.config import analysis_hash, validate_config
-from replaynoise.generation.passes import replicate_pairs, run_passes
+from replaynoise.generation.continuations import continuation_seed
+from replaynoise.generation.passes import pass_spec, replicate_pairs, run_passes
 from replaynoise.io import read_json, read_parquet, write_json, write_parquet
 from replaynoise.provenance import write_manifest
 from replaynoise.report.headline import headline_rows
 from replaynoise.report.tables import write_headline_tables
 from replaynoise.settings import AnalysisSettings
-from replaynoise.snapshots import check_destination
+from replaynoise.vouching import check_destination, self_description_problems
 
 PARTIAL_FILE = "partial.json"
+#: a pass row's columns its continuation seed is derived from, with the seed
+SEED_COLUMNS = {"pivot_id", "branch", "k", "seed"}
 #: what a cut-short run's results keep in a partial reference folder (``partial``), as far as the run made them
 PARTIAL_PARTS = ("credit", "pivots", "problems", "logs", "benchmarks")
 #: the columns of a pass's rows (``replay``'s row schema) that a partial folder keeps, in rows/<configuration>/
@@ -87,6 +91,30 @@ def rebuild_partial(reference: Path, out: Path) -> list[Path]:
     return written + tables
 
 
+def campaign_problems(results: Path, config: dict, name: str, present: list[str]) -> list[str]:
+    """A line per way the run's files say they were made by another campaign than ``config``: a credit table whose
+    pass or K is not the campaign's, a pass's row whose seed is not the one the campaign's root seed derives."""
+    problems = self_description_problems(results)
+    for pass_name in present:
+        credit = results / "credit" / name / f"{pass_name}.parquet"
+        ks = read_parquet(credit, columns=["k"])["k"].unique().to_list()
+        if ks != [config["replay"]["k"]]:
+            problems.append(f"{credit}: column k holds {ks}, the campaign's replay.k is {config['replay']['k']}")
+        rows_file = results / "passes" / name / f"{pass_name}.parquet"
+        if not rows_file.is_file() or not set(pl.read_parquet_schema(rows_file)) >= SEED_COLUMNS:
+            continue
+        rows = read_parquet(rows_file, columns=list(SEED_COLUMNS)).filter(pl.col("k") >= 0).head(1)
+        for row in rows.iter_rows(named=True):
+            noise = pass_spec(pass_name).noise
+            expected = continuation_seed(config["seed"], name, row["pivot_id"], row["branch"], row["k"], noise)
+            if row["seed"] != expected:
+                problems.append(
+                    f"{rows_file}: column seed of pivot {row['pivot_id']} is not what the campaign's seed "
+                    f"{config['seed']} derives: the run was made with another seed"
+                )
+    return problems
+
+
 def partial(results: Path, campaign: Path, reference: Path, note: str = "") -> list[Path]:
     """Keep a cut-short run of ``campaign`` (its one configuration) from ``results`` as the partial reference folder
     ``reference``: what finished (``PARTIAL_PARTS``, the passes' rows in ``ROW_COLUMNS``), ``partial.json``, the
@@ -103,6 +131,9 @@ def partial(results: Path, campaign: Path, reference: Path, note: str = "") -> l
     planned = run_passes(config["replay"])
     present = [p for p in planned if (results / "credit" / name / f"{p}.parquet").is_file()]
     compared = whole_pairs(present)
+    problems = campaign_problems(results, config, name, present)
+    if problems:
+        raise ValueError(f"{campaign}: not the campaign of the run in {results}: " + "; ".join(problems[:10]))
     stats = AnalysisSettings.of(config["analysis"], config["seed"])
     check_verified(verification_summary(read_parquet(results / "credit" / name / "exact.parquet")), stats.min_verified)
     check_destination(reference, [results], "partial")

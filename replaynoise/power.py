@@ -20,14 +20,16 @@ pilot's own size is given over its interval: at SD 0, at the estimate and at the
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from replaynoise.analysis.replicated import Components, plan
 from replaynoise.analysis.runs import plan_runs
-from replaynoise.io import read_json
+from replaynoise.io import UnreadableFileError, json_field, read_json
 from replaynoise.report.summary import aligned
+from replaynoise.vouching import require_intact
 
 PROBLEMS = (20, 40, 80, 160, 320)
 PAIRS = (2, 3, 5, 8)
@@ -35,25 +37,41 @@ PAIRS = (2, 3, 5, 8)
 
 def pilot_components(comparison: dict, conditioning: str) -> Components:
     """The crossed components of a pilot configuration's excess (excess units, as ``crossed`` keeps them)."""
-    block = comparison["conditionings"][conditioning]
-    replicated = block.get("replicated")
+    source = str(comparison.get("source", comparison.get("config")))
+    conditionings = json_field(comparison, source, "conditionings")
+    if not isinstance(conditionings, dict) or conditioning not in conditionings:
+        known = sorted(conditionings) if isinstance(conditionings, dict) else []
+        raise ValueError(f"{source}: field conditionings has no {conditioning!r} (it has {', '.join(known) or 'none'})")
+    json_field(comparison, source, "parameters", "ci")
+    block = json_field(conditionings, f"{source}: conditionings", conditioning)
+    replicated = block.get("replicated") if isinstance(block, dict) else None
     if not replicated or not replicated.get("available"):
         raise ValueError(
             f"{comparison.get('config')}: {conditioning}: no replicated passes (one draw per pass "
             "cannot estimate the pass-level component); run the pilot with replay.replicates >= 2"
         )
-    crossed = replicated["excess_pp"]["crossed"]
+    base = f"{source}: conditionings.{conditioning}.replicated"
+    crossed = json_field(replicated, base, "excess_pp", "crossed")
+    where = f"{base}.excess_pp.crossed"
     parts = crossed.get("components")
     if not parts:
         raise ValueError(f"{comparison.get('config')}: {conditioning}: {crossed.get('reason', 'no components')}")
-    ms = parts["mean_squares"]
+    sds = [json_field(parts, f"{where}.components", key) for key in ("problem_sd", "pass_sd", "residual_sd")]
+    ms = [json_field(parts, f"{where}.components", "mean_squares", key) for key in ("problems", "pairs", "residual")]
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in [*sds, *ms]):
+        raise ValueError(f"{where}.components: an SD or mean square that is not a finite number >= 0: {sds}, {ms}")
+    if not any(sds):
+        raise ValueError(
+            f"{where}.components: every SD is 0 (every pair's excess the same): a pilot that cannot estimate a "
+            "variance cannot plan a design; run a larger pilot"
+        )
     return Components(
-        problem=(parts["problem_sd"] / 100) ** 2,
-        pass_level=(parts["pass_sd"] / 100) ** 2,
-        residual=(parts["residual_sd"] / 100) ** 2,
-        n_problems=crossed["n_problems"],
-        n_pairs=crossed["n_pairs"],
-        mean_squares=(ms["problems"], ms["pairs"], ms["residual"]),
+        problem=(sds[0] / 100) ** 2,
+        pass_level=(sds[1] / 100) ** 2,
+        residual=(sds[2] / 100) ** 2,
+        n_problems=json_field(crossed, where, "n_problems"),
+        n_pairs=json_field(crossed, where, "n_pairs"),
+        mean_squares=(ms[0], ms[1], ms[2]),
     )
 
 
@@ -152,21 +170,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, nargs="+", help="plan the mean over this many runs (each >= 2)")
     ap.add_argument("--run-sd", type=float, nargs="+", default=[0.0, 2.8, 5.4, 9.7], help="run-level SDs, pp")
     args = ap.parse_args(argv)
+    bad = [x for x in [*args.excess, *args.run_sd] if not math.isfinite(x)]
+    if bad or any(k < 2 for k in args.runs or []):
+        print(
+            f"error: --excess and --run-sd take finite numbers, --runs numbers >= 2 (given {bad or args.runs})",
+            file=sys.stderr,
+        )
+        return 2
     found = sorted(p for p in (args.folder / "analysis").glob("*/comparison.json") if p.parent.name != "pooled")
     if args.config:
         found = [p for p in found if p.parent.name in args.config]
     if not found:
         print(f"error: no analysis/<config>/comparison.json under {args.folder}", file=sys.stderr)
         return 2
+    try:
+        require_intact(args.folder, "power", reads=["analysis/*/comparison.json"])
+    except (OSError, ValueError, UnreadableFileError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     printed = 0
     for path in found:
         try:
             comparison = read_json(path)
+            if not isinstance(comparison, dict):
+                raise ValueError(f"{path}: not a JSON object")
+            comparison["source"] = path.as_posix()
             print(power_table(comparison, args.conditioning, args.excess))
             if args.runs:
                 print(runs_table(comparison, args.conditioning, args.excess, args.runs, args.run_sd))
             printed += 1
-        except ValueError as exc:
+        except (OSError, ValueError, UnreadableFileError) as exc:
             print(f"skipped: {exc}", file=sys.stderr)
     return 0 if printed else 2
 

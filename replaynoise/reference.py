@@ -31,7 +31,6 @@ channel-agreement figure of several folders from their committed analysis files 
 from __future__ import annotations
 
 import argparse
-import csv
 import shutil
 import sys
 import tempfile
@@ -45,7 +44,15 @@ from replaynoise.analysis.pooling import pooled_comparison
 from replaynoise.analysis.prefix_mismatch import mismatch_summary
 from replaynoise.config import analysis_hash
 from replaynoise.generation.passes import run_passes
-from replaynoise.io import read_json, read_manifest, read_parquet, sha256_file, write_json, write_text
+from replaynoise.io import (
+    UnreadableFileError,
+    read_json,
+    read_manifest,
+    read_parquet,
+    sha256_file,
+    write_json,
+    write_text,
+)
 from replaynoise.partials import PARTIAL_FILE, partial, rebuild_partial
 from replaynoise.report import controls as report_controls
 from replaynoise.report.combined import add_combine_parser, combine_command
@@ -57,18 +64,21 @@ from replaynoise.reproduction import add_rerun_parsers, parse_arguments, rerun_c
 from replaynoise.settings import AnalysisSettings
 from replaynoise.snapshots import (
     REPRODUCE_FILE,
-    check_destination,
-    edited_files,
+    drift_only,
+    refresh_tables,
     reproducing_commit,
+    rewrite_manifest_lines,
     snapshot,
     table_differences,
 )
+from replaynoise.vouching import (
+    MANIFEST_FILE,
+    check_destination,
+    check_own_files,
+    folder_problems,
+    require_intact,
+)
 
-#: How far a rebuilt number may move from the committed one and still be the same result (a real difference moves it
-#: far more): another CPU's kernels move mostly last bits (1e-15), but an ill-conditioned fit magnifies them. On an
-#: AVX2 EPYC (Zen 3) the near-separated logit of reference/gpu-vllm/ladder/smollm2 (88 log-odds per SD) rebuilt with
-#: its p 2.7e-9 apart (a p moves by about z^2 times its z): the largest drift of any folder there; 1e-9 failed it
-DRIFT_TOLERANCE = 1e-7
 #: comparison.json entries computed from the replayed rows (the prefix mismatch from every prefix token's two
 #: log-probs), which a reference folder does not hold
 FROM_ROWS = ("probe", "verification", "prefix_cache", "controls", "prefix_mismatch")
@@ -151,18 +161,6 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
     return written
 
 
-HEADLINE_FILES = tuple(f"tables/headline.{ext}" for ext in ("csv", "md", "tex"))
-
-
-def _rewrite_manifest_lines(reference: Path, names: list[str]) -> None:
-    """Set the manifest lines of ``names`` (paths relative to ``reference``) to the files' digests as they now
-    stand, adding the lines of files the manifest did not list."""
-    manifest_path = reference / "MANIFEST.sha256"
-    entries = read_manifest(manifest_path)
-    entries.update({name: sha256_file(reference / name) for name in names})
-    manifest_path.write_text("".join(f"{digest}  {name}\n" for name, digest in entries.items()))
-
-
 def reanalyze(reference: Path, commit: str | None) -> list[str]:
     """Recompute a reference folder's analysis (comparisons, pooled comparison, tables, figures) from its committed
     credit tables with the code as it now stands, after a change of the analysis code that moves them (a pooling
@@ -170,6 +168,7 @@ def reanalyze(reference: Path, commit: str | None) -> list[str]:
     ``reproduce.json`` records which commit's analysis they are. What the replayed rows made (credit tables,
     channels, the probe, the cache counts) is kept as the run left it. Returns the files that changed."""
     reference = Path(reference)
+    require_intact(reference, "reanalyze")
     with tempfile.TemporaryDirectory(prefix="reanalyze-") as tmp:
         out = Path(tmp)
         changed, figures_drawn = [], []
@@ -185,11 +184,12 @@ def reanalyze(reference: Path, commit: str | None) -> list[str]:
                 changed.append(rel)
         if changed:
             changed += [rel for rel, _ in figures_drawn]
+        check_own_files(reference, [*changed, MANIFEST_FILE, REPRODUCE_FILE], "reanalyze")
         for rel in changed:
             (reference / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(out / rel, reference / rel)
     if changed:
-        _rewrite_manifest_lines(reference, changed)
+        rewrite_manifest_lines(reference, changed)
         record_path = reference / REPRODUCE_FILE
         record = read_json(record_path) if record_path.is_file() else {"commit": reproducing_commit(reference)[0]}
         note = (
@@ -202,84 +202,13 @@ def reanalyze(reference: Path, commit: str | None) -> list[str]:
     return changed
 
 
-def refresh_tables(reference: Path) -> list[Path]:
-    """Rewrite a reference folder's headline tables from its committed comparisons, after a change of the table
-    code alone, and their lines in its manifest (which vouches for the folder's files as they now stand).
-    The committed comparisons are used, not recomputed ones, so every cell the old tables had keeps its bytes
-    (a recomputation on another CPU moves the last bits of the OLS floats)."""
-    reference = Path(reference)
-    pooled = read_json(reference / "analysis" / "pooled" / "comparison.json")
-    results = {c: read_json(reference / "analysis" / c / "comparison.json") for c in pooled["configs"]}
-    tables = [reference / name for name in HEADLINE_FILES]
-    everything = {**results, "pooled": pooled}
-    write_headline_tables(headline_rows(everything), pooled["analysis_hash"], *tables, mismatch_lines(everything))
-    _rewrite_manifest_lines(reference, list(HEADLINE_FILES))
-    return tables
-
-
-def _values(path: Path) -> list:
-    """A JSON file's leaves or a CSV file's cells, in order, for a comparison value by value."""
-    if path.suffix == ".json":
-        leaves, stack = [], [read_json(path)]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, dict):
-                leaves.append(tuple(sorted(node)))
-                stack.extend(node[k] for k in sorted(node, reverse=True))
-            elif isinstance(node, list):
-                leaves.append(len(node))
-                stack.extend(reversed(node))
-            else:
-                leaves.append(node)
-        return leaves
-    return [cell for row in csv.reader(path.read_text().splitlines()) for cell in [len(row), *row]]
-
-
-def float_drift(reference_file: Path, rebuilt_file: Path) -> float | None:
-    """The largest relative difference between two files' numbers where everything else in them is equal;
-    None where anything else differs. Linear algebra on another CPU or BLAS moves the last bits of an OLS t (and
-    more of an ill-conditioned fit's: ``DRIFT_TOLERANCE``); a statistic that is zero exactly comes out as 1e-17
-    there, so magnitudes below 1e-6 count as 1e-6."""
-    ref, new = _values(reference_file), _values(rebuilt_file)
-    if len(ref) != len(new):
-        return None
-    worst = 0.0
-    for a, b in zip(ref, new):
-        if a == b:
-            continue
-        try:
-            x, y = float(a), float(b)
-        except (TypeError, ValueError):
-            return None
-        worst = max(worst, abs(x - y) / max(abs(x), abs(y), 1e-6))
-    return worst
-
-
-def drift_only(committed: Path, rebuilt: Path) -> float | None:
-    """The float drift of a rebuilt JSON or CSV file from its committed one where it is within ``DRIFT_TOLERANCE``
-    (the same result); None where the committed file is absent, is of another kind, or differs by more."""
-    if not committed.is_file() or rebuilt.suffix not in (".json", ".csv"):
-        return None
-    drift = float_drift(committed, rebuilt)
-    return drift if drift is not None and drift <= DRIFT_TOLERANCE else None
-
-
 def check_rebuild(reference: Path, out: Path, written: list[Path], report=None) -> bool:
     """Each rebuilt file against the reference manifest (and the committed credit tables against it too,
     since the rebuild rests on them); prints what differs, table cells included. True if every number agrees
     (bitwise, or within float drift, ``DRIFT_TOLERANCE``); a figure that differs is named but does not fail the check,
     since a change of the drawing code since the run changes its bytes and none of its numbers."""
     report = sys.stdout if report is None else report
-    manifest = read_manifest(Path(reference) / "MANIFEST.sha256")
-    edited = edited_files(Path(reference))
-    for rel in edited:
-        print(f"  edited: {Path(reference) / rel} differs from its manifest", file=report)
-    if edited:
-        print(
-            f"{len(edited)} committed file(s) of {reference} differ from its MANIFEST.sha256: a rebuild checks "
-            "what the folder holds, so it fails",
-            file=report,
-        )
+    manifest = read_manifest(Path(reference) / MANIFEST_FILE)
     checked = [(p.relative_to(out).as_posix(), p) for p in written]
     checked += [(p.relative_to(reference).as_posix(), p) for p in sorted(Path(reference).glob("credit/*/*.parquet"))]
     differing = [(rel, path) for rel, path in checked if manifest.get(rel) != sha256_file(path)]
@@ -305,7 +234,22 @@ def check_rebuild(reference: Path, out: Path, written: list[Path], report=None) 
         if rel.endswith(".csv") and committed.is_file():
             for line in table_differences(committed, path):
                 print(f"      {line}", file=report)
-    return not failed and not edited
+    return not failed
+
+
+def intact_or_said(reference: Path, report=None) -> bool:
+    """Whether ``reference`` is what its own records vouch for; where not, each problem printed: a rebuild checks
+    what the folder holds, so it fails."""
+    problems = folder_problems(Path(reference))
+    for line in problems:
+        print(f"  edited: {line}", file=report)
+    if problems:
+        print(
+            f"{len(problems)} problem(s) with {reference} against its MANIFEST.sha256 and provenance.json: a rebuild "
+            "checks what the folder holds, so it fails",
+            file=report,
+        )
+    return not problems
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -356,42 +300,93 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _snapshot(args: argparse.Namespace, argv: list[str] | None) -> int:
+    copied = snapshot(args.results, args.reference)
+    print(f"{len(copied)} files copied to {args.reference}")
+    return 0
+
+
+def _rebuild(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """A folder its records do not vouch for fails; it is still rebuilt where it can be, so that the numbers an edit
+    moves are named too."""
+    intact = intact_or_said(args.reference, sys.stdout)
+    try:
+        agrees = check_rebuild(args.reference, args.out, rebuild(args.reference, args.out))
+    except (KeyError, TypeError, AttributeError) as exc:
+        if intact:
+            raise
+        print(f"no rebuild of the edited folder ({type(exc).__name__}: {exc})")
+        return 1
+    return 0 if agrees and intact else 1
+
+
+def _partial(args: argparse.Namespace, argv: list[str] | None) -> int:
+    written = partial(args.results, args.campaign, args.reference, args.note)
+    compared = read_json(args.reference / PARTIAL_FILE)["passes_compared"]
+    print(f"{args.reference}: {len(written)} files computed from the passes {', '.join(compared)}")
+    return 0
+
+
+def _reanalyze(args: argparse.Namespace, argv: list[str] | None) -> int:
+    changed = reanalyze(args.reference, args.commit)
+    print(f"{len(changed)} files recomputed in {args.reference}: {', '.join(changed) or 'none'}")
+    return 0
+
+
+def _tables(args: argparse.Namespace, argv: list[str] | None) -> int:
+    written = refresh_tables(args.reference)
+    print(f"{len(written)} tables rewritten in {args.reference}, with their manifest lines")
+    return 0
+
+
+def _contrast(args: argparse.Namespace, argv: list[str] | None) -> int:
+    check_destination(args.out, [args.first, args.second], "contrast")
+    for folder in (args.first, args.second):
+        require_intact(folder, "contrast", reads=["analysis/*/comparison.json"])
+    write_text("\n".join(contrast_lines(args.first, args.second)) + "\n", args.out)
+    print(f"{args.out}: {args.first} - {args.second}")
+    return 0
+
+
+def _combine(args: argparse.Namespace, argv: list[str] | None) -> int:
+    for folder in args.folders:
+        require_intact(folder, "combine", reads=["credit/*/*.parquet", "partial.json"])
+    if args.out is not None:
+        check_destination(args.out, args.folders, "combine")
+    return combine_command(args, argv)
+
+
+def _figure(args: argparse.Namespace, argv: list[str] | None) -> int:
+    check_destination(args.out, args.folders, "figure")
+    for folder in args.folders:
+        require_intact(folder, "figure", reads=["analysis/*/comparison.json", "analysis/*/channels.csv"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = channel_data(args.folders)
+    PLOTS["channel_agreement"](data, args.out / "channel_agreement.png", args.out / "channel_agreement.pdf")
+    print(f"{len(data)} configurations drawn to {args.out}/channel_agreement.{{png,pdf}}")
+    return 0
+
+
+#: each command that is not ``compare`` or ``reproduce`` (``reproduction.rerun_command``)
+COMMANDS = {
+    "snapshot": _snapshot,
+    "rebuild": _rebuild,
+    "partial": _partial,
+    "reanalyze": _reanalyze,
+    "tables": _tables,
+    "contrast": _contrast,
+    "combine": _combine,
+    "figure": _figure,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(_parser(), argv)
     try:
-        if args.command == "snapshot":
-            copied = snapshot(args.results, args.reference)
-            print(f"{len(copied)} files copied to {args.reference}")
-            return 0
-        if args.command == "rebuild":
-            return 0 if check_rebuild(args.reference, args.out, rebuild(args.reference, args.out)) else 1
-        if args.command == "partial":
-            written = partial(args.results, args.campaign, args.reference, args.note)
-            compared = read_json(args.reference / PARTIAL_FILE)["passes_compared"]
-            print(f"{args.reference}: {len(written)} files computed from the passes {', '.join(compared)}")
-            return 0
-        if args.command == "reanalyze":
-            changed = reanalyze(args.reference, args.commit)
-            print(f"{len(changed)} files recomputed in {args.reference}: {', '.join(changed) or 'none'}")
-            return 0
-        if args.command == "tables":
-            written = refresh_tables(args.reference)
-            print(f"{len(written)} tables rewritten in {args.reference}, with their manifest lines")
-            return 0
-        if args.command == "contrast":
-            write_text("\n".join(contrast_lines(args.first, args.second)) + "\n", args.out)
-            print(f"{args.out}: {args.first} - {args.second}")
-            return 0
-        if args.command == "combine":
-            return combine_command(args, argv)
-        if args.command == "figure":
-            args.out.mkdir(parents=True, exist_ok=True)
-            data = channel_data(args.folders)
-            PLOTS["channel_agreement"](data, args.out / "channel_agreement.png", args.out / "channel_agreement.pdf")
-            print(f"{len(data)} configurations drawn to {args.out}/channel_agreement.{{png,pdf}}")
-            return 0
+        if args.command in COMMANDS:
+            return COMMANDS[args.command](args, argv)
         return rerun_command(args)
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError, UnreadableFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -32,7 +32,7 @@ from replaynoise.generation.passes import replay_draws
 from replaynoise.generation.regime import ProbeRun
 from replaynoise.io import read_json, read_parquet, write_json, write_text
 from replaynoise.report.mechanism import markdown, plot_mechanism, write_table
-from replaynoise.snapshots import check_destination
+from replaynoise.vouching import check_destination
 
 
 def probe_rows(run: ProbeRun) -> tuple[pl.DataFrame, pl.DataFrame]:

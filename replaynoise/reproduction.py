@@ -18,7 +18,14 @@ from replaynoise.config import analysis_hash, validate_config
 from replaynoise.divergence import divergence, statistics_agreement
 from replaynoise.fingerprint import fingerprint_differences, fingerprint_lines
 from replaynoise.io import read_json, write_json, write_text
-from replaynoise.snapshots import check_destination, code_version_note, compare, edited_files
+from replaynoise.snapshots import code_version_note, compare
+from replaynoise.vouching import (
+    check_destination,
+    edited_files,
+    record_problems,
+    require_intact,
+    self_description_problems,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 #: The configuration file a reproduction writes into its working folder and runs the workflow with.
@@ -74,6 +81,7 @@ def snakemake_command(workdir: Path, cores: str, extra: list[str]) -> list[str]:
 def rerun(reference: Path, workdir: Path, cores: str, extra: list[str]) -> int:
     """Run the workflow on ``reference``'s configuration in ``workdir`` (outside the reference); its exit status."""
     check_destination(Path(workdir), [Path(reference)], "reproduce")
+    require_intact(Path(reference), "reproduce")
     config = recorded_campaign(reference)
     Path(workdir).mkdir(parents=True, exist_ok=True)
     write_text(yaml.safe_dump(config, sort_keys=True), Path(workdir) / CONFIG_FILE)
@@ -91,7 +99,9 @@ def reproduction_record(reference: Path, results: Path) -> dict[str, Any]:
         read_json(p) if p.is_file() else {} for p in (reference / "provenance.json", results / "provenance.json")
     )
     differing, _ = fingerprint_differences(reference_record, rerun_record)
-    edited = edited_files(reference)  # a committed file its own manifest no longer vouches for
+    # a committed file its own manifest no longer vouches for, a record that fails its seal, a file that says it is
+    # another
+    edited = [*edited_files(reference), *record_problems(reference), *self_description_problems(reference)]
     return {
         "reference": str(reference),
         "results": str(results),

@@ -4,6 +4,7 @@ code. The commands are ``replaynoise.reference``'s."""
 
 from __future__ import annotations
 
+import csv
 import fnmatch
 import os
 import shutil
@@ -11,11 +12,23 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import polars as pl
 
-from replaynoise.io import read_json, read_manifest, sha256_file
+from replaynoise.io import read_json, read_manifest, sha256_file, write_text
+from replaynoise.report.headline import headline_rows
+from replaynoise.report.tables import mismatch_lines, write_headline_tables
+from replaynoise.vouching import (
+    MANIFEST_FILE,
+    check_destination,
+    check_own_files,
+    folder_problems,
+    record_problems,
+    require_intact,
+    reseal,
+    self_description_problems,
+)
 
 #: What a snapshot keeps of a run's manifest: small, human-readable outputs and the per-pivot tables every statistic
 #: is computed from (credit, prefix mismatch, each row's first step). Replayed rows and KV files stay out; the
@@ -37,25 +50,6 @@ SNAPSHOT_GLOBS = (
 RUN_RECORDS = ("MANIFEST.sha256", "provenance.json")
 
 
-def _holds(folder: Path, path: Path) -> bool:
-    """``folder`` is ``path`` or one of the folders above it (both resolved)."""
-    folder, path = folder.resolve(), path.resolve()
-    return folder == path or folder in path.parents
-
-
-def check_destination(dest: Path, sources: list[Path], action: str) -> None:
-    """Refuse a destination a command would delete or write into that is a source, lies inside one, or is (or
-    holds) a source or the current folder: ``snapshot results results`` once deleted every result."""
-    for source in [*sources, Path.cwd()]:
-        what = "the current folder" if source == Path.cwd() else str(source)
-        if _holds(dest, source):
-            raise ValueError(
-                f"{dest}: {action} would write into {what}, which it is or holds; give a folder outside it"
-            )
-        if _holds(source, dest) and source != Path.cwd():
-            raise ValueError(f"{dest}: {action} would write inside {what}; give a folder outside it")
-
-
 def snapshot(results: Path, reference: Path) -> list[Path]:
     """Copy what a finished run's manifest lists of ``SNAPSHOT_GLOBS`` (and the manifest and provenance) into
     ``reference``; returns the copied paths. A snapshot holds exactly what its manifest lists: outputs of earlier
@@ -65,7 +59,7 @@ def snapshot(results: Path, reference: Path) -> list[Path]:
     results, reference = Path(results), Path(reference)
     if not (results / "MANIFEST.sha256").is_file():
         raise FileNotFoundError(f"{results / 'MANIFEST.sha256'}: no manifest; run the workflow to the end first")
-    check_destination(reference, [results], "snapshot")
+    check_destination(reference, [results], "snapshot", replaces_snapshot=True)
     if reference.exists() and (
         not reference.is_dir() or (any(reference.iterdir()) and not (reference / "MANIFEST.sha256").is_file())
     ):
@@ -81,6 +75,15 @@ def snapshot(results: Path, reference: Path) -> list[Path]:
             f"{results}: {len(missing)} file(s) the manifest lists are missing, e.g. "
             f"{missing[0]}; rerun the workflow (snakemake verify names them all)"
         )
+    manifest = read_manifest(results / "MANIFEST.sha256")
+    problems = [
+        f"{results / rel}: differs from its manifest"
+        for rel in chosen[2:]
+        if sha256_file(results / rel) != manifest[rel]
+    ]
+    problems += record_problems(results) + self_description_problems(results)
+    if problems:
+        raise ValueError(f"{results}: snapshot copies only what its records vouch for: " + "; ".join(problems[:10]))
     reference.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{reference.name}.", dir=reference.parent))
     try:
@@ -203,18 +206,6 @@ def code_version_note(reference: Path, results: Path) -> str | None:
     )
 
 
-def edited_files(folder: Path) -> list[str]:
-    """The files in ``folder`` whose bytes its own manifest does not vouch for (an edited table, a comparison
-    rewritten by hand): every file the manifest lists that the folder holds must match it. Files a folder does
-    not hold (replayed rows, KV) are vouched for by the manifest alone."""
-    folder = Path(folder)
-    return [
-        rel
-        for rel, digest in read_manifest(folder / "MANIFEST.sha256").items()
-        if (folder / rel).is_file() and sha256_file(folder / rel) != digest
-    ]
-
-
 def compare(reference: Path, results: Path, out: TextIO | None = None) -> bool:
     """Compare a rerun in ``results`` with the committed ``reference``; print a report; True if identical. Each
     folder's files are checked against its own manifest first: a comparison of manifests alone passes a
@@ -224,13 +215,13 @@ def compare(reference: Path, results: Path, out: TextIO | None = None) -> bool:
     for folder in (reference, results):
         if not (folder / "MANIFEST.sha256").is_file():
             raise FileNotFoundError(f"{folder / 'MANIFEST.sha256'}: no manifest")
-    edited = {folder: edited_files(folder) for folder in (reference, results)}
-    for folder, names in edited.items():
-        for rel in names:
-            print(f"  edited: {folder / rel} differs from {folder / 'MANIFEST.sha256'}", file=out)
+    edited = {folder: folder_problems(folder) for folder in (reference, results)}
+    for names in edited.values():
+        for line in names:
+            print(f"  edited: {line}", file=out)
     if any(edited.values()):
         print(
-            f"{sum(map(len, edited.values()))} file(s) differ from their own folder's manifest: the folders "
+            f"{sum(map(len, edited.values()))} file(s) differ from their own folder's records: the folders "
             "cannot be compared until they are restored (git checkout, or a rerun)",
             file=out,
         )
@@ -281,3 +272,90 @@ def recorded_analysis_hash(folder: Path) -> str | None:
     """The analysis hash a run's provenance.json records (None where it has none)."""
     provenance = Path(folder) / "provenance.json"
     return read_json(provenance).get("analysis_hash") if provenance.is_file() else None
+
+
+#: How far a rebuilt number may move from the committed one and still be the same result (a real difference moves it
+#: far more): another CPU's kernels move mostly last bits (1e-15), but an ill-conditioned fit magnifies them. On an
+#: AVX2 EPYC (Zen 3) the near-separated logit of reference/gpu-vllm/ladder/smollm2 (88 log-odds per SD) rebuilt with
+#: its p 2.7e-9 apart (a p moves by about z^2 times its z): the largest drift of any folder there; 1e-9 failed it
+DRIFT_TOLERANCE = 1e-7
+
+
+def _values(path: Path) -> list:
+    """A JSON file's leaves or a CSV file's cells, in order, for a comparison value by value."""
+    if path.suffix == ".json":
+        leaves: list[Any] = []
+        stack = [read_json(path)]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                leaves.append(tuple(sorted(node)))
+                stack.extend(node[k] for k in sorted(node, reverse=True))
+            elif isinstance(node, list):
+                leaves.append(len(node))
+                stack.extend(reversed(node))
+            else:
+                leaves.append(node)
+        return leaves
+    return [cell for row in csv.reader(path.read_text().splitlines()) for cell in [len(row), *row]]
+
+
+def float_drift(reference_file: Path, rebuilt_file: Path) -> float | None:
+    """The largest relative difference between two files' numbers where everything else in them is equal;
+    None where anything else differs. Linear algebra on another CPU or BLAS moves the last bits of an OLS t (and
+    more of an ill-conditioned fit's: ``DRIFT_TOLERANCE``); a statistic that is zero exactly comes out as 1e-17
+    there, so magnitudes below 1e-6 count as 1e-6."""
+    ref, new = _values(reference_file), _values(rebuilt_file)
+    if len(ref) != len(new):
+        return None
+    worst = 0.0
+    for a, b in zip(ref, new):
+        if a == b:
+            continue
+        try:
+            x, y = float(a), float(b)
+        except (TypeError, ValueError):
+            return None
+        worst = max(worst, abs(x - y) / max(abs(x), abs(y), 1e-6))
+    return worst
+
+
+def drift_only(committed: Path, rebuilt: Path) -> float | None:
+    """The float drift of a rebuilt JSON or CSV file from its committed one where it is within ``DRIFT_TOLERANCE``
+    (the same result); None where the committed file is absent, is of another kind, or differs by more."""
+    if not committed.is_file() or rebuilt.suffix not in (".json", ".csv"):
+        return None
+    drift = float_drift(committed, rebuilt)
+    return drift if drift is not None and drift <= DRIFT_TOLERANCE else None
+
+
+HEADLINE_FILES = tuple(f"tables/headline.{ext}" for ext in ("csv", "md", "tex"))
+
+
+def rewrite_manifest_lines(reference: Path, names: list[str]) -> None:
+    """Set the manifest lines of ``names`` (paths relative to ``reference``) to the files' digests as they now
+    stand, adding the lines of files the manifest did not list."""
+    manifest_path = reference / MANIFEST_FILE
+    entries = read_manifest(manifest_path)
+    entries.update({name: sha256_file(reference / name) for name in names})
+    write_text("".join(f"{digest}  {name}\n" for name, digest in entries.items()), manifest_path)
+    reseal(reference)
+
+
+def refresh_tables(reference: Path) -> list[Path]:
+    """Rewrite a reference folder's headline tables from its committed comparisons, after a change of the table
+    code alone, and their lines in its manifest (which vouches for the folder's files as they now stand).
+    The committed comparisons are used, not recomputed ones, so every cell the old tables had keeps its bytes
+    (a recomputation on another CPU moves the last bits of the OLS floats)."""
+    reference = Path(reference)
+    require_intact(reference, "tables", reads=["analysis/*/comparison.json"])
+    check_own_files(reference, [*HEADLINE_FILES, MANIFEST_FILE], "tables")
+    pooled = read_json(reference / "analysis" / "pooled" / "comparison.json")
+    results = {c: read_json(reference / "analysis" / c / "comparison.json") for c in pooled["configs"]}
+    csv_file, md, tex = tables = [reference / name for name in HEADLINE_FILES]
+    everything = {**results, "pooled": pooled}
+    write_headline_tables(
+        headline_rows(everything), pooled["analysis_hash"], csv_file, md, tex, mismatch_lines(everything)
+    )
+    rewrite_manifest_lines(reference, list(HEADLINE_FILES))
+    return tables

@@ -32,6 +32,7 @@ TOP = {
     "divergence",
     "reproduction",
     "regime",
+    "vouching",
 }
 #: Bottom to top. A module may import only modules of earlier layers (or of its own package's base).
 LAYERS = [
@@ -111,7 +112,7 @@ LAYERS = [
     ["report.plots"],
     ["report.controls", "report.training"],
     ["config_checks"],
-    ["config", "plan", "fingerprint"],
+    ["config", "plan", "fingerprint", "vouching"],
     ["machine", "provenance", "snapshots", "paper_records"],
     ["partials", "divergence"],
     ["reproduction"],

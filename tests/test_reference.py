@@ -22,9 +22,9 @@ from replaynoise.generation.replay import PASS_SCHEMA
 from replaynoise.io import read_manifest, write_json
 from replaynoise.partials import ROW_COLUMNS, partial, whole_pairs
 from replaynoise.power import main as power_main
-from replaynoise.provenance import verify_manifest
-from replaynoise.reference import DRIFT_TOLERANCE, channel_data, float_drift, main
-from replaynoise.snapshots import compare, snapshot
+from replaynoise.provenance import verify_manifest, write_manifest
+from replaynoise.reference import channel_data, main
+from replaynoise.snapshots import DRIFT_TOLERANCE, compare, float_drift, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "reference" / "gpu"
@@ -42,13 +42,20 @@ def fake_results(root, headline="config,excess_pp\na,7.5\nb,3.0\n"):
     files = {
         "tables/headline.csv": headline,
         "rollouts/c/kv/000/p1.safetensors": "kv bytes",
-        "analysis/c/comparison.json": "{}",
+        "analysis/c/comparison.json": '{"config": "c"}',
         "passes/c/exact.parquet": "rows",
     }
     lines = [f"{write(root / path, text)}  {path}" for path, text in sorted(files.items())]
     (root / "MANIFEST.sha256").write_text("\n".join(lines) + "\n")
     write(root / "provenance.json", "{}")
     return root
+
+
+def vouched(folder):
+    """``folder`` with a manifest of the files it holds, as a run's or a reference's (a command reads no other)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_manifest([folder], folder, folder / "MANIFEST.sha256")
+    return folder
 
 
 def test_snapshot_keeps_tables_and_manifest_not_kv_or_parquet(tmp_path):
@@ -109,8 +116,10 @@ def test_figure_of_several_folders_keeps_their_order_and_draws_from_committed_fi
 def test_figure_refuses_a_folder_given_twice_and_one_without_analysis_by_name(tmp_path, capsys):
     assert main(["figure", str(tmp_path / "fig"), str(GPU / "gemma"), str(GPU / "gemma")]) == 2
     assert "'gemma3-bf16' is in two of the folders" in capsys.readouterr().err
-    assert main(["figure", str(tmp_path / "fig"), str(tmp_path)]) == 2
-    assert f"{tmp_path}: no analysis/<config>/channels.csv" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    vouched(empty)
+    assert main(["figure", str(tmp_path / "fig"), str(empty)]) == 2
+    assert f"{empty}: no analysis/<config>/channels.csv" in capsys.readouterr().err
 
 
 def test_rebuild_of_a_committed_gpu_reference_agrees_with_its_manifest(tmp_path, capsys):
@@ -384,6 +393,7 @@ def test_power_planning_reads_a_pilot_s_components_and_refuses_a_pilot_of_one_dr
         {**compare_passes({p: credit[p] for p in ("exact", "replica", "refeed")}, settings), "config": "one"},
         tmp_path / "analysis" / "one" / "comparison.json",
     )
+    vouched(tmp_path)
     assert power_main([str(tmp_path), "--excess", "5", "40"]) == 0
     captured = capsys.readouterr()
     assert "skipped: one: main: no replicated passes" in captured.err
@@ -567,6 +577,9 @@ def test_a_contrast_refuses_a_folder_of_one_draw_per_pass_and_one_of_several_con
     several = tmp_path / "several"
     for config in ("x", "y"):
         shutil.copytree(replicated / "analysis" / "qwen2.5-coder-0.5b-vllm", several / "analysis" / config)
+        comparison = several / "analysis" / config / "comparison.json"
+        comparison.write_text(json.dumps({**json.loads(comparison.read_text()), "config": config}))
+    vouched(several)
     assert main(["contrast", str(tmp_path / "b.md"), str(several), str(replicated)]) != 0
     assert "x, y" in capsys.readouterr().err
 
@@ -585,11 +598,13 @@ def test_a_contrast_notes_why_a_cell_has_no_interval_and_refuses_an_unavailable_
     }
     thin = tmp_path / "thin"
     write(thin / "analysis" / name / "comparison.json", json.dumps(comparison))
+    vouched(thin)
     assert main(["contrast", str(tmp_path / "c.md"), str(thin), str(replicated)]) == 0
     text = (tmp_path / "c.md").read_text()
     assert "| main | n/a (3, None) |" in text and "- main: too few eligible pivots" in text
     assert "no crossed interval in the first run's" in text
     comparison["conditionings"]["main"]["replicated"] = {"available": False, "reason": "no refeed_replica column"}
     write(thin / "analysis" / name / "comparison.json", json.dumps(comparison))
+    vouched(thin)
     assert main(["contrast", str(tmp_path / "d.md"), str(thin), str(replicated)]) == 2
     assert "no replicated comparison (no refeed_replica column)" in capsys.readouterr().err

@@ -317,6 +317,19 @@ def replicated_stats(
     return out
 
 
+def power_to_resolve(excess_pp: float, se: float, t: float) -> float:
+    """P(|estimate| / SE > t) at a true excess of ``excess_pp``. A pilot whose excess has no variance (every pair's
+    excess equal) gives SE 0 and an undefined t, so it is refused rather than read as certain power."""
+    if not math.isfinite(excess_pp):
+        raise ValueError(f"a true excess of {excess_pp} pp: not a finite number")
+    if not (math.isfinite(se) and se > 0 and math.isfinite(t)):
+        raise ValueError(
+            f"the pilot's variance components give an SE of {100 * se:.3g} pp and t {t:.3g}: a pilot whose excess "
+            "has no variance cannot estimate one, so no design can be planned from it"
+        )
+    return float(sps.norm.cdf(abs(excess_pp / 100.0) / se - t))
+
+
 def plan(
     comp: Components, excess_pp: float, *, problems: Sequence[int], pairs: Sequence[int], ci: float, power: float = 0.8
 ) -> list[dict[str, Any]]:
@@ -325,14 +338,13 @@ def plan(
     pivots per problem, same pass-level noise) and the design's Satterthwaite df. A design of one pair cannot
     estimate the pass-level component, so none is planned."""
     rows = []
-    delta = excess_pp / 100.0
     for r in pairs:
         if r < 2:
             raise ValueError("a design of one pair per pass cannot estimate the pass-level component; plan R >= 2")
         for g in problems:
             se = math.sqrt(comp.variance(g, r))
             t = float(sps.t.ppf(0.5 + ci / 2, comp.df(g, r)))
-            achieved = float(sps.norm.cdf(abs(delta) / se - t)) if se > 0 else 1.0
+            achieved = power_to_resolve(excess_pp, se, t)
             rows.append(
                 {
                     "problems": int(g),

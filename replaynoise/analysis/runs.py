@@ -35,6 +35,7 @@ from replaynoise.analysis.replicated import (
     crossed_interval,
     level_interval,
     linearised,
+    power_to_resolve,
     satterthwaite_df,
     scaled_sd,
     table_components,
@@ -167,7 +168,7 @@ def plan_runs(
             se = math.sqrt((ms_p + ms_k - ms_e) / (g * k))
             df = satterthwaite_df(ms_p, ms_k, ms_e, g, k)
             t = float(sps.t.ppf(0.5 + ci / 2, df))
-            achieved = float(sps.norm.cdf(abs(excess_pp / 100) / se - t)) if se > 0 else 1.0
+            achieved = power_to_resolve(excess_pp, se, t)
             rows.append(
                 {
                     "problems": int(g),

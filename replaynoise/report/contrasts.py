@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from replaynoise.analysis.replicated import crossed_difference
-from replaynoise.io import read_json
+from replaynoise.io import json_field, read_json
 
 #: the conditionings a contrast reports: the paper's main one, and the one whose sets do not depend on the treatment
 CONTRASTED = ("main", "treatment_independent")
@@ -23,7 +23,12 @@ def folder_comparison(folder: Path) -> tuple[str, dict]:
     if len(found) != 1:
         names = ", ".join(p.parent.name for p in found) or "none"
         raise ValueError(f"{folder}: a contrast takes a folder of one configuration; its analysis/ has {names}")
-    return found[0].parent.name, read_json(found[0])
+    record = read_json(found[0])
+    for keys in (("metric",), ("parameters", "ci"), ("conditionings",)):
+        json_field(record, found[0], *keys)
+    if not isinstance(record["conditionings"], dict):
+        raise ValueError(f"{found[0]}: field conditionings is not an object")
+    return found[0].parent.name, record | {"source": found[0].as_posix()}
 
 
 def replicated_excess(comparison: dict, conditioning: str, where: str) -> dict:
@@ -31,15 +36,17 @@ def replicated_excess(comparison: dict, conditioning: str, where: str) -> dict:
     the pairs' count and the note that says why a block's numbers are empty (too few eligible pivots)."""
     if conditioning not in comparison["conditionings"]:
         raise ValueError(f"{where}: no conditioning {conditioning!r} in the comparison")
-    replicated = comparison["conditionings"][conditioning].get("replicated")
+    source = f"{comparison.get('source', where)}: conditionings.{conditioning}"
+    replicated = json_field(comparison["conditionings"], source, conditioning).get("replicated")
     if not replicated:
         raise ValueError(
             f"{where}: one draw per pass, so no interval over pass draws to contrast (run replay.replicates >= 2)"
         )
     if not replicated.get("available"):
         raise ValueError(f"{where}: no replicated comparison ({replicated.get('reason')})")
-    excess = replicated["by_metric"][comparison["metric"]]["excess_pp"]
-    return excess | {"n_pairs": len(replicated["draws"]), "note": replicated.get("note")}
+    excess = json_field(replicated, f"{source}.replicated", "by_metric", comparison["metric"], "excess_pp")
+    draws = json_field(replicated, f"{source}.replicated", "draws")
+    return excess | {"n_pairs": len(draws), "note": replicated.get("note")}
 
 
 def _interval(stat: dict) -> str:

@@ -7,18 +7,22 @@ from replaynoise.logs import log_to  # noqa: E402
 log_to(snakemake.log[0])
 from replaynoise.io import read_json, write_json  # noqa: E402
 from replaynoise.provenance import input_checksums, provenance_record, write_manifest  # noqa: E402
+from replaynoise.vouching import sealed  # noqa: E402
 
 n = write_manifest(list(snakemake.input), "results", snakemake.output.manifest)
 write_json(
-    provenance_record(
-        snakemake.params.config,
-        snakemake.params.analysis_hash,
-        snakemake.params.repo,
-        logs=Path(snakemake.log[0]).parent,
-        manifest_files=n,
-        inputs=input_checksums(
-            snakemake.params.inputs, {r["path"]: r["sha256"] for r in map(read_json, snakemake.params.read)}
+    sealed(
+        provenance_record(
+            snakemake.params.config,
+            snakemake.params.analysis_hash,
+            snakemake.params.repo,
+            logs=Path(snakemake.log[0]).parent,
+            manifest_files=n,
+            inputs=input_checksums(
+                snakemake.params.inputs, {r["path"]: r["sha256"] for r in map(read_json, snakemake.params.read)}
+            ),
         ),
+        Path(snakemake.output.manifest),
     ),
     snakemake.output.provenance,
 )

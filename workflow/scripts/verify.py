@@ -6,6 +6,7 @@ from replaynoise.logs import log_to  # noqa: E402
 
 log_to(snakemake.log[0])
 from replaynoise.provenance import verify_coverage, verify_inputs, verify_manifest, verify_settings  # noqa: E402
+from replaynoise.vouching import record_problems, self_description_problems  # noqa: E402
 
 p = snakemake.params
 problems = (
@@ -13,6 +14,8 @@ problems = (
     + verify_coverage(p.manifest, p.expected)
     + verify_settings(p.provenance, p.config, p.analysis_hash)
     + verify_inputs(p.provenance)
+    + record_problems(Path("results"), required=True)
+    + self_description_problems(Path("results"))
 )
 for line in problems:
     print(line, file=sys.stderr)

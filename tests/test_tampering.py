@@ -1,0 +1,211 @@
+"""A reviewer's commands on folders that were tampered with, and commands aimed at a reference: each reader checks a
+folder against its own records first and refuses by file and field; no command writes into a folder a manifest
+vouches for or into its own source, links resolved."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from replaynoise.io import read_manifest
+from replaynoise.partials import partial
+from replaynoise.power import main as power_main
+from replaynoise.reference import main
+from replaynoise.vouching import record_problems, sealed, self_description_problems
+
+REPO = Path(__file__).resolve().parents[1]
+GEMMA = REPO / "reference" / "gpu" / "gemma"
+LADDER = REPO / "reference" / "gpu-vllm" / "ladder"
+PILOT = LADDER / "qwen-0.5b"  # replicated passes: a pilot power plans from, a side of a contrast
+PILOT_CONFIG = "qwen2.5-coder-0.5b-vllm"
+
+
+def copy(folder: Path, dest: Path) -> Path:
+    shutil.copytree(folder, dest)
+    return dest
+
+
+def rewrite_line(folder: Path, rel: str) -> None:
+    """Set ``rel``'s manifest line to the file's digest as it now stands, as a careful tamperer would."""
+    manifest = folder / "MANIFEST.sha256"
+    entries = read_manifest(manifest)
+    entries[rel] = hashlib.sha256((folder / rel).read_bytes()).hexdigest()
+    manifest.write_text("".join(f"{digest}  {name}\n" for name, digest in entries.items()))
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------- 1. tampered inputs
+
+
+def test_tables_and_reanalyze_refuse_an_edited_input_and_rewrite_no_manifest_line(tmp_path, capsys):
+    """``tables`` on an edited comparison rewrote three tables and their manifest lines; ``reanalyze`` after an
+    edited credit table recomputed the analysis from it. Both refuse by file, and the folder stays as it was."""
+    ref = copy(GEMMA, tmp_path / "gemma")
+    comparison = ref / "analysis" / "gemma3-bf16" / "comparison.json"
+    comparison.write_text(comparison.read_text().replace('"n_pivots": ', '"n_pivots": 1'))
+    before = tree(ref)
+    assert main(["tables", str(ref)]) == 2
+    assert f"{comparison} differs from its manifest" in capsys.readouterr().err
+    shutil.copy(GEMMA / "analysis" / "gemma3-bf16" / "comparison.json", comparison)
+    credit = ref / "credit" / "gemma3-bf16" / "refeed.parquet"
+    frame = pl.read_parquet(credit)
+    frame.with_columns(a_hat=-pl.col("a_hat")).write_parquet(credit)
+    before = tree(ref)
+    assert main(["reanalyze", str(ref)]) == 2
+    assert f"{credit} differs from its manifest" in capsys.readouterr().err
+    assert tree(ref) == before
+
+
+def test_credit_tables_swapped_with_their_manifest_lines_are_named_by_their_pass_name(tmp_path, capsys):
+    """Two passes' credit tables swapped together with their manifest lines leave every line true; each table's
+    ``pass_name`` column says which pass it is, and every reader of the folder checks it against the name."""
+    ref = copy(GEMMA, tmp_path / "gemma")
+    folder = ref / "credit" / "gemma3-bf16"
+    (folder / "exact.parquet").rename(folder / "swap")
+    (folder / "replica.parquet").rename(folder / "exact.parquet")
+    (folder / "swap").rename(folder / "replica.parquet")
+    for name in ("exact", "replica"):
+        rewrite_line(ref, f"credit/gemma3-bf16/{name}.parquet")
+    problems = self_description_problems(ref)
+    assert f"{folder / 'exact.parquet'}: column pass_name holds ['replica']" in problems[0] and len(problems) == 2
+    assert main(["tables", str(ref)]) == 2
+    assert "column pass_name holds ['replica']" in capsys.readouterr().err
+    assert main(["compare", str(ref), str(GEMMA)]) == 1
+    assert "column pass_name holds" in capsys.readouterr().out
+    assert main(["rebuild", str(ref), str(tmp_path / "out")]) == 1
+    assert "column pass_name holds" in capsys.readouterr().out
+
+
+def test_a_comparison_moved_to_another_configuration_s_folder_is_named_by_its_config_field(tmp_path):
+    ref = copy(GEMMA, tmp_path / "gemma")
+    comparison = ref / "analysis" / "gemma3-bf16" / "comparison.json"
+    comparison.write_text(json.dumps({**json.loads(comparison.read_text()), "config": "other", "analysis_hash": "x"}))
+    rewrite_line(ref, "analysis/gemma3-bf16/comparison.json")
+    problems = self_description_problems(ref)
+    assert any("field config is 'other', not its folder 'gemma3-bf16'" in line for line in problems)
+    assert any("field analysis_hash is 'x'" in line for line in problems)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        ("git", "commit"),
+        ("git", "dirty"),
+        ("packages", "torch"),
+        ("hardware", "cpu_model"),
+        ("manifest_files",),
+        ("config", "resources", "threads"),
+        ("environment",),
+        ("deviations_from_committed_defaults",),
+    ],
+)
+def test_a_sealed_provenance_names_any_edited_field_and_a_rewritten_manifest(tmp_path, field):
+    """provenance.json carries the sha256 of the manifest written with it and of its own fields: an edit of any
+    field, or of the manifest after the run, fails the record's check."""
+    (tmp_path / "MANIFEST.sha256").write_text(f"{'a' * 64}  tables/headline.csv\n")
+    record = {
+        "git": {"commit": "c" * 40, "dirty": False},
+        "packages": {"torch": "2.9.0"},
+        "hardware": {"cpu_model": "EPYC"},
+        "manifest_files": 3,
+        "config": {"resources": {"threads": 2}},
+        "environment": {"REPLAYNOISE_STATIC_ATTENTION": None},
+        "deviations_from_committed_defaults": [],
+    }
+    (tmp_path / "provenance.json").write_text(json.dumps(sealed(record, tmp_path / "MANIFEST.sha256")))
+    assert record_problems(tmp_path, required=True) == []
+    edited = json.loads((tmp_path / "provenance.json").read_text())
+    node = edited
+    for key in field[:-1]:
+        node = node[key]
+    node[field[-1]] = "edited"
+    (tmp_path / "provenance.json").write_text(json.dumps(edited))
+    assert [line.split(": ")[1] for line in record_problems(tmp_path)] == ["field record_sha256"]
+    (tmp_path / "provenance.json").write_text(json.dumps(sealed(record, tmp_path / "MANIFEST.sha256")))
+    (tmp_path / "MANIFEST.sha256").write_text(f"{'b' * 64}  tables/headline.csv\n")
+    assert [line.split(": ")[1] for line in record_problems(tmp_path)] == ["field manifest_sha256"]
+    del edited["record_sha256"], edited["manifest_sha256"]  # a seal stripped: refused where one is required
+    (tmp_path / "provenance.json").write_text(json.dumps(edited))
+    assert record_problems(tmp_path) == [] and "missing" in record_problems(tmp_path, required=True)[0]
+
+
+@pytest.mark.parametrize("dropped", ["conditionings", "parameters", "metric"])
+def test_contrast_and_power_name_the_file_and_the_field_a_comparison_lacks(tmp_path, dropped, capsys):
+    """A comparison with no conditionings or no parameters (its manifest line rewritten) ended in a KeyError."""
+    pilot = copy(PILOT, tmp_path / "pilot")
+    path = pilot / "analysis" / PILOT_CONFIG / "comparison.json"
+    record = json.loads(path.read_text())
+    del record[dropped]
+    path.write_text(json.dumps(record))
+    rewrite_line(pilot, f"analysis/{PILOT_CONFIG}/comparison.json")
+    assert main(["contrast", str(tmp_path / "c.md"), str(pilot), str(PILOT)]) == 2
+    assert f"{path}: field {dropped}" in capsys.readouterr().err
+    if dropped != "metric":  # power reads no metric
+        assert power_main([str(pilot)]) == 2
+        assert f"{path}: field {dropped}" in capsys.readouterr().err
+
+
+def test_partial_refuses_a_campaign_that_is_not_the_run_s_by_file_and_column(tmp_path):
+    """A campaign of k 4 and seed 12 given for a run of k 2 and seed 11 was recorded in partial.json as the
+    run's; the run's credit tables (their k) and pass rows (their derived seeds) say otherwise."""
+    full, name = LADDER / "qwen-1.5b", "qwen2.5-coder-1.5b-vllm"
+    results = tmp_path / "results"
+    (results / "credit" / name).mkdir(parents=True)
+    for done in ("exact", "replica", "refeed"):
+        shutil.copy(full / "credit" / name / f"{done}.parquet", results / "credit" / name)
+    config = json.loads((full / "provenance.json").read_text())["config"]
+    campaign = tmp_path / "campaign.yaml"
+    campaign.write_text(json.dumps({**config, "replay": {**config["replay"], "k": 2}}))
+    with pytest.raises(ValueError, match=r"exact.parquet: column k holds \[4\], the campaign's replay.k is 2"):
+        partial(results, campaign, tmp_path / "kept")
+    seeds = pl.DataFrame({"pivot_id": ["p0"], "branch": ["orig"], "k": [0], "seed": [1]})
+    (results / "passes" / name).mkdir(parents=True)
+    seeds.write_parquet(results / "passes" / name / "exact.parquet")
+    campaign.write_text(json.dumps({**config, "seed": 12}))
+    with pytest.raises(ValueError, match=r"column seed of pivot p0 is not what the campaign's seed 12 derives"):
+        partial(results, campaign, tmp_path / "kept")
+    assert not (tmp_path / "kept").exists()
+
+
+# ------------------------------------------------------------------------- 2. commands that write
+
+
+def test_no_command_writes_into_a_reference_or_its_source_even_through_a_link(tmp_path, monkeypatch, capsys):
+    """``contrast A B --out A/tables/headline.md`` overwrote the reference's table and ``figure A --out A`` wrote
+    into it; a destination in any folder a manifest vouches for is refused, as is one reached through a link."""
+    pilot, other = copy(PILOT, tmp_path / "refs" / "pilot"), copy(GEMMA, tmp_path / "refs" / "gemma")
+    (tmp_path / "link").symlink_to(pilot)
+    (tmp_path / "table.md").symlink_to(pilot / "tables" / "headline.md")
+    before = {f: tree(f) for f in (pilot, other)}
+    monkeypatch.chdir(tmp_path)
+    for out in (pilot / "tables" / "headline.md", tmp_path / "link" / "x.md", other / "x.md", tmp_path / "table.md"):
+        assert main(["contrast", str(out), str(pilot), str(PILOT)]) == 2, out
+        assert "contrast would write" in capsys.readouterr().err
+    for out in (pilot, tmp_path / "link", other / "figures"):
+        assert main(["figure", str(out), str(pilot)]) == 2, out
+        assert "figure would write" in capsys.readouterr().err
+    assert main(["combine", str(pilot), str(PILOT), "--out", str(other)]) == 2
+    assert "combine would write" in capsys.readouterr().err
+    assert main(["rebuild", str(pilot), str(other / "rebuilt")]) == 2
+    assert "rebuild would write" in capsys.readouterr().err
+    assert {f: tree(f) for f in (pilot, other)} == before
+
+
+def test_tables_never_write_through_a_link_out_of_the_reference(tmp_path, capsys):
+    ref = copy(GEMMA, tmp_path / "gemma")
+    elsewhere = copy(ref / "tables", tmp_path / "elsewhere")
+    shutil.rmtree(ref / "tables")
+    os.symlink(elsewhere, ref / "tables")
+    before = tree(elsewhere)
+    assert main(["tables", str(ref)]) == 2
+    assert "tables would write through a link out of" in capsys.readouterr().err
+    assert tree(elsewhere) == before
