@@ -13,6 +13,7 @@ from replaynoise.data.models import (
     attention_heads,
     context_length,
     hidden_layers,
+    model_identity,
     model_source_files,
     resolve_model_spec,
 )
@@ -173,7 +174,7 @@ def _check_cross_scoring(config: dict) -> None:
                 "configuration's own re-feed is its refeed pass's prefix mismatch already"
             )
         models = configs[pair[0]]["model"], configs[pair[1]]["model"]
-        if models[0] != models[1]:
+        if model_identity(models[0]) != model_identity(models[1]):
             raise ConfigError(
                 f"config key {key}: the rollouts' model {models[0]!r} and the scorer's {models[1]!r} "
                 "differ; a scorer must read the rollouts' token ids with the same vocabulary"

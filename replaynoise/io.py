@@ -127,7 +127,7 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # a decoding error, invalid UTF-8, or a number past Python's digit limit
         raise UnreadableFileError(
             f"{path}: not readable JSON, truncated or corrupt ({exc}); delete it and rerun the step that writes it"
         ) from None

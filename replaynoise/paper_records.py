@@ -39,7 +39,7 @@ def read_result_file(path: str | Path) -> dict:
         raise FileNotFoundError(f"{path}: no such file") from None
     try:
         data = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    except (OSError, EOFError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, ValueError) as exc:  # ValueError: bad JSON, bad UTF-8, too many digits
         raise ValueError(f"{path}: not a readable JSON result file ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("pivots"), list):
         raise ValueError(f"{path}: not a per-pivot result file (no top-level 'pivots' list)")

@@ -84,19 +84,38 @@ def _column_values(table: Path, column: str) -> list[Any] | None:
         raise UnreadableFileError(f"{table}: not a readable parquet file ({exc})") from None
 
 
+def _described(folder: Path, pattern: str) -> list[Path]:
+    """The folder's own files matching ``pattern`` that its manifest lists (all of them, where it has none)."""
+    manifest = folder / MANIFEST_FILE
+    listed = read_manifest(manifest) if manifest.is_file() else None
+    found = [p for p in sorted(folder.glob(pattern)) if p.is_file() and folder.resolve() in p.resolve().parents]
+    return [p for p in found if listed is None or p.relative_to(folder).as_posix() in listed]
+
+
+def _comparison_problems(path: Path, recorded: str | None, provenance: Path) -> list[str]:
+    """How a comparison says it is another than its folder's, or of other settings than the run's record."""
+    try:
+        record = read_json(path)
+    except UnreadableFileError as exc:
+        return [str(exc)]
+    if not isinstance(record, dict):
+        return [f"{path}: not a JSON object"]
+    problems = []
+    if record.get("config") != path.parent.name:
+        problems.append(f"{path}: field config is {record.get('config')!r}, not its folder {path.parent.name!r}")
+    if recorded is not None and record.get("analysis_hash") != recorded:
+        problems.append(
+            f"{path}: field analysis_hash is {record.get('analysis_hash')!r}, not {provenance}'s {recorded!r}"
+        )
+    return problems
+
+
 def self_description_problems(folder: Path) -> list[str]:
     """A line per file whose contents say it is another file than its name does: a credit table whose
     ``pass_name`` is not its pass, a comparison whose ``config`` is not its folder, or whose ``analysis_hash`` is
     not the one provenance.json records."""
     folder, problems = Path(folder), []
-    manifest = folder / MANIFEST_FILE
-    listed = read_manifest(manifest) if manifest.is_file() else None
-
-    def described(pattern: str) -> list[Path]:  # what the manifest lists (all, where there is none)
-        found = sorted(folder.glob(pattern))
-        return [p for p in found if listed is None or p.relative_to(folder).as_posix() in listed]
-
-    for table in described("credit/*/*.parquet"):
+    for table in _described(folder, "credit/*/*.parquet"):
         try:
             names = _column_values(table, "pass_name")
         except UnreadableFileError as exc:
@@ -105,18 +124,13 @@ def self_description_problems(folder: Path) -> list[str]:
         if names is not None and names != [table.stem]:
             problems.append(f"{table}: column pass_name holds {names}, not the pass its name says ({table.stem!r})")
     provenance = folder / PROVENANCE_FILE
-    recorded = read_json(provenance).get("analysis_hash") if provenance.is_file() else None
-    for path in described("analysis/*/comparison.json"):
-        record = read_json(path)
-        if not isinstance(record, dict):
-            problems.append(f"{path}: not a JSON object")
-            continue
-        if record.get("config") != path.parent.name:
-            problems.append(f"{path}: field config is {record.get('config')!r}, not its folder {path.parent.name!r}")
-        if recorded is not None and record.get("analysis_hash") != recorded:
-            problems.append(
-                f"{path}: field analysis_hash is {record.get('analysis_hash')!r}, not {provenance}'s {recorded!r}"
-            )
+    try:
+        record = read_json(provenance) if provenance.is_file() else {}
+    except UnreadableFileError as exc:
+        return [*problems, str(exc)]
+    recorded = record.get("analysis_hash") if isinstance(record, dict) else None
+    for path in _described(folder, "analysis/*/comparison.json"):
+        problems += _comparison_problems(path, recorded, provenance)
     return problems
 
 

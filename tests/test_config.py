@@ -794,6 +794,35 @@ def test_cross_scoring_names_two_configurations_of_one_model_and_leaves_the_hash
             validate_config({**two, "analysis": {"cross_scoring": [bad]}})
 
 
+@pytest.mark.parametrize("draws", [33, 1000, 10**9])
+def test_replicates_past_their_bound_are_refused_by_key_before_any_plan(draws):
+    """R = 1000 took over 180 s to plan and R = 10^9 ended in a MemoryError that named no key."""
+    with pytest.raises(ConfigError, match=rf"replay\.replicates: {draws} is greater than the maximum of 32"):
+        validate_config(_tiny(replay={"replicates": draws}))
+    assert validate_config(_tiny(replay={"replicates": 32}))["replay"]["replicates"] == 32
+
+
+def test_one_local_model_directory_however_spelled_is_one_model(tmp_path, monkeypatch):
+    """A trailing slash, a link or a relative path to the same directory name one model: a cross-scoring pair of
+    them was refused as of two models."""
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):  # only their presence is checked here
+        (model_dir / name).write_text("{}")
+    (tmp_path / "link").symlink_to(model_dir)
+    monkeypatch.chdir(tmp_path)
+    pair = {"rollouts": "a", "scorer": "b"}
+    for other in (f"{model_dir}/", str(tmp_path / "link"), "my-model", "./link/"):
+        two = {"configs": {"a": {"model": str(model_dir)}, "b": {"model": other}}}
+        assert validate_config({**two, "analysis": {"cross_scoring": [pair]}})["analysis"]["cross_scoring"] == [pair]
+    (tmp_path / "copy").mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / "copy" / name).write_text("{}")
+    two = {"configs": {"a": {"model": str(model_dir)}, "b": {"model": str(tmp_path / "copy")}}}
+    with pytest.raises(ConfigError, match="differ"):
+        validate_config({**two, "analysis": {"cross_scoring": [pair]}})
+
+
 def test_a_cross_scoring_pair_plans_one_job_of_the_scorer_on_the_rollouts_pivots(tmp_path):
     """The scorer's model job reads the other configuration's rollouts and pivots; both its outputs are in the
     manifest; without the key the plan has no such job."""

@@ -300,6 +300,8 @@ def test_user_parquet_round_trip(tmp_path):
         (['{"question": "q", "answer": "many"}'], r"mine\.jsonl:1: gold answer 'many' is not a number"),
         (['{"question": "q", "answer": "#### x"}'], r"mine\.jsonl:1: .*not a number"),
         (["[1, 2]"], r"mine\.jsonl:1: expected a JSON object"),
+        (['{"question": "q", "answer": ' + "1" * 5000 + "}"], r"mine\.jsonl:1: not valid JSON \(Exceeds the limit"),
+        (['{"question": "q", "answer": "' + "1" * 5000 + '"}'], r"mine\.jsonl:1: .*Exceeds the limit"),
         (
             ['{"question": "q", "answer": "1", "id": 1}', '{"question": "r", "answer": "2", "id": 1}'],
             r"mine\.jsonl: duplicate problem ids \['mine-1'\]",

@@ -209,3 +209,76 @@ def test_tables_never_write_through_a_link_out_of_the_reference(tmp_path, capsys
     assert main(["tables", str(ref)]) == 2
     assert "tables would write through a link out of" in capsys.readouterr().err
     assert tree(elsewhere) == before
+
+
+# --------------------------------------------------------------------- 3. a value named, not a traceback
+
+
+def _pilot_with(tmp_path: Path, text: str | None, rewrite: bool = True) -> tuple[Path, Path]:
+    """A copy of the pilot whose comparison holds ``text`` (None: a folder in its place), its manifest line
+    rewritten to match where ``rewrite``."""
+    pilot = copy(PILOT, tmp_path / "pilot")
+    path = pilot / "analysis" / PILOT_CONFIG / "comparison.json"
+    path.unlink()
+    if text is None:
+        path.mkdir()
+    else:
+        path.write_text(text)
+        if rewrite:
+            rewrite_line(pilot, f"analysis/{PILOT_CONFIG}/comparison.json")
+    return pilot, path
+
+
+@pytest.mark.parametrize(
+    "text,said",
+    [
+        ("{}", "field config is None"),
+        ('{"conditionings": ', "not readable JSON"),
+        (None, "is not a file"),
+    ],
+)
+def test_power_names_a_comparison_that_is_empty_truncated_or_a_folder(tmp_path, capsys, text, said):
+    pilot, path = _pilot_with(tmp_path, text)
+    assert power_main([str(pilot)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and said in err and "Traceback" not in err
+
+
+def test_power_names_a_comparison_that_links_to_a_system_file(tmp_path, capsys):
+    pilot, path = _pilot_with(tmp_path, "")
+    path.unlink()
+    path.symlink_to("/etc/passwd")
+    assert power_main([str(pilot)]) == 2
+    assert f"{path} is a link to /etc/passwd, outside the folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["--excess", "nan"], "finite numbers"),
+        (["--excess", "5", "inf"], "finite numbers"),
+        (["--run-sd=-inf", "--runs", "2"], "finite numbers"),
+        (["--conditioning", "bogus"], "field conditionings has no 'bogus' (it has"),
+    ],
+)
+def test_power_refuses_a_value_it_cannot_plan_with_by_name(capsys, args, said):
+    assert power_main([str(PILOT), *args]) == 2
+    out = capsys.readouterr()
+    assert said in out.err and "nan" not in out.out
+
+
+# ----------------------------------------------------------------- 4. a planner trusted with no variance
+
+
+def test_power_refuses_a_pilot_whose_excess_has_no_variance(tmp_path, capsys):
+    """A pilot whose every excess is 0 (SE 0, t undefined) was planned from, at power 1.00 with 20 problems."""
+    pilot = copy(PILOT, tmp_path / "pilot")
+    path = pilot / "analysis" / PILOT_CONFIG / "comparison.json"
+    record = json.loads(path.read_text())
+    parts = record["conditionings"]["main"]["replicated"]["excess_pp"]["crossed"]["components"]
+    parts.update(problem_sd=0.0, pass_sd=0.0, residual_sd=0.0, mean_squares={"problems": 0, "pairs": 0, "residual": 0})
+    path.write_text(json.dumps(record))
+    rewrite_line(pilot, f"analysis/{PILOT_CONFIG}/comparison.json")
+    assert power_main([str(pilot)]) == 2
+    err = capsys.readouterr().err
+    assert "every SD is 0" in err and "cannot estimate a variance" in err

@@ -54,8 +54,8 @@ def _read_jsonl(path: Path, data: bytes) -> list[Record]:
     for line_no, line in _jsonl_lines(path, data):
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}:{line_no}: not valid JSON") from None
+        except ValueError as exc:  # a decoding error, or a number past Python's digit limit
+            raise ValueError(f"{path}:{line_no}: not valid JSON ({exc})") from None
         if not isinstance(obj, dict):
             raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
         records.append((f"{path}:{line_no}", obj))

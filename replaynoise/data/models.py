@@ -281,6 +281,13 @@ def resolve_model_spec(spec: str) -> tuple[str, PackagedModel | Path]:
     )
 
 
+def model_identity(spec: str) -> str:
+    """What a model spec names, however spelled: a packaged model's name, or a local directory's resolved path (a
+    trailing slash, a link or a relative path name the same directory)."""
+    _, source = resolve_model_spec(spec)
+    return str(source.resolve()) if isinstance(source, Path) else spec
+
+
 def prepared_model_key(spec: str, dtype: str) -> str:
     """The name of ``spec``'s prepared directory in ``dtype``: configurations that share model and dtype share
     it. A local directory's key carries a short hash of its resolved path beside the readable name, so no two
