@@ -42,6 +42,13 @@ rule all:
 # What this machine lacks for a configuration (vLLM, a GPU) stops the run before its first job; onstart runs
 # only when jobs are about to run (not in a dry run) and is skipped for jobs a cluster's nodes run.
 onstart:
+    # the main process holds the resolved results folder until it exits: a second run on the same folder, through
+    # a link from another working directory too, stops here instead of deleting the first one's temporaries
+    if workflow.is_main_process:
+        try:
+            hold_folder("results")
+        except FolderBusyError as exc:
+            raise WorkflowError(str(exc))
     if workflow.local_exec:
         _missing = platform_problems(
             config, conda=DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method

@@ -41,6 +41,28 @@ def folder_lock(folder: str | os.PathLike) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+class FolderBusyError(RuntimeError):
+    """Another process holds a folder this one must have alone; the message names the folder."""
+
+
+def hold_folder(folder: str | os.PathLike) -> int:
+    """Lock ``folder`` (its resolved path, so every link to it is one folder) for the rest of this process, and
+    return the descriptor that holds it; the lock goes when the process ends, however it ends. Two runs whose
+    results/ is one folder would otherwise each take the other's temporary files for a killed writer's."""
+    resolved = Path(folder).resolve()
+    resolved.mkdir(parents=True, exist_ok=True)
+    fd = os.open(resolved, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FolderBusyError(
+            f"{folder}: another run is using this folder ({resolved}, perhaps through a link from another working "
+            "directory); wait for it to end, or give this run its own results folder"
+        ) from None
+    return fd
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``target``; rename it onto ``target`` only if the block succeeds."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from replaynoise.io import read_manifest
+from replaynoise.io import FolderBusyError, hold_folder, read_manifest
 from replaynoise.partials import partial
 from replaynoise.power import main as power_main
 from replaynoise.reference import main
@@ -282,3 +282,17 @@ def test_power_refuses_a_pilot_whose_excess_has_no_variance(tmp_path, capsys):
     assert power_main([str(pilot)]) == 2
     err = capsys.readouterr().err
     assert "every SD is 0" in err and "cannot estimate a variance" in err
+
+
+# ------------------------------------------------------------------------------------ 6. shared folders
+
+
+def test_a_folder_held_by_one_run_is_refused_to_another_through_any_link_and_freed_when_it_ends(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "results").symlink_to(tmp_path / "results")
+    held = hold_folder(tmp_path / "results")
+    with pytest.raises(FolderBusyError, match=r"elsewhere/results: another run is using this folder"):
+        hold_folder(tmp_path / "elsewhere" / "results")
+    os.close(held)  # as when the run ends, however it ends
+    os.close(hold_folder(tmp_path / "elsewhere" / "results"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import subprocess
 
@@ -12,6 +13,8 @@ import polars as pl
 import pytest
 import yaml
 from helpers import REPO, TINY, TINY_MODEL_DIR, TINY_ON_SMOLLM2, clone_run, planned_rules, seed_model, snakemake
+
+from replaynoise.io import hold_folder
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +129,59 @@ def test_verify_target_reports_a_changed_file(finished_run):
         assert "tables/headline.csv" in proc.stdout + proc.stderr
     finally:
         table.write_bytes(original)
+
+
+def _tree(folder):
+    return {p.relative_to(folder).as_posix(): (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.rglob("*")}
+
+
+def test_verify_writes_nothing_into_the_results_and_waits_for_no_one_through_a_link(finished_run, tmp_path):
+    """verify wrote results/logs/verify.log, so it failed on a read-only copy; and two runs whose results/ is one
+    folder through a link both ran (each deleting the other's temporaries): the run holds the resolved folder."""
+    results = finished_run / "results"
+    before = _tree(results)
+    snakemake(finished_run, TINY, "verify")
+    assert _tree(results) == before
+    (tmp_path / "link").symlink_to(results)
+    held = hold_folder(tmp_path / "link")
+    try:
+        proc = snakemake(finished_run, TINY, "verify", check=False)
+        assert proc.returncode != 0 and "another run is using this folder" in proc.stdout + proc.stderr
+    finally:
+        os.close(held)
+    snakemake(finished_run, TINY, "verify")
+
+
+def test_verify_catches_swapped_credit_tables_and_any_edited_provenance_field(finished_run):
+    """Two passes' credit tables swapped with their manifest lines, and provenance fields that no check read (git,
+    packages, hardware, the manifest's file count, resources, environment, deviations), each passed verify."""
+    results = finished_run / "results"
+    manifest, provenance = results / "MANIFEST.sha256", results / "provenance.json"
+    credit = results / "credit" / "tiny"
+    originals = {
+        p: p.read_bytes() for p in (manifest, provenance, credit / "exact.parquet", credit / "replica.parquet")
+    }
+    try:
+        (credit / "exact.parquet").write_bytes(originals[credit / "replica.parquet"])
+        (credit / "replica.parquet").write_bytes(originals[credit / "exact.parquet"])
+        lines = manifest.read_text().split("\n")
+        swapped = {"credit/tiny/exact.parquet": "credit/tiny/replica.parquet"}
+        swapped |= {b: a for a, b in swapped.items()}
+        digests = {line.split("  ")[1]: line.split("  ")[0] for line in lines if line}
+        manifest.write_text("".join(f"{digests[swapped.get(n, n)]}  {n}\n" for n in digests))
+        proc = snakemake(finished_run, TINY, "verify", check=False)
+        assert proc.returncode != 0 and "column pass_name holds ['replica']" in proc.stdout + proc.stderr
+        for path in (manifest, credit / "exact.parquet", credit / "replica.parquet"):
+            path.write_bytes(originals[path])
+        for field in ("git", "packages", "hardware", "manifest_files", "environment"):
+            record = json.loads(originals[provenance])
+            record[field] = "edited"
+            provenance.write_text(json.dumps(record))
+            proc = snakemake(finished_run, TINY, "verify", check=False)
+            assert proc.returncode != 0 and "field record_sha256" in proc.stdout + proc.stderr, field
+    finally:
+        for path, data in originals.items():
+            path.write_bytes(data)
 
 
 def test_verify_catches_a_table_removed_with_its_line_and_an_edited_provenance(finished_run):

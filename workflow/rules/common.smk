@@ -30,7 +30,7 @@ from replaynoise.plan import (  # noqa: E402
     control_outputs,
     plot_options,
 )
-from replaynoise.io import stable_hash  # noqa: E402
+from replaynoise.io import FolderBusyError, hold_folder, stable_hash  # noqa: E402
 from replaynoise.provenance import source_digest  # noqa: E402
 from replaynoise.settings import (  # noqa: E402
     PASS_ONLY_KEYS,

@@ -20,10 +20,12 @@ rule manifest:
         "../scripts/manifest.py"
 
 
-# Checks the results as they are on disk, so it has no inputs: Snakemake must not rebuild anything first.
+# Checks the results as they are on disk, so it has no inputs: Snakemake must not rebuild anything first. Its log
+# is Snakemake's own folder's, beside the working directory's other run records: a reviewer's check runs on a
+# read-only copy of results/ and writes nothing into it.
 rule verify:
     log:
-        f"{LOGS}/verify.log",
+        ".snakemake/log/verify.log",
     localrule: True
     conda:
         "../../envs/analysis.yaml"
