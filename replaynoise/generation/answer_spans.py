@@ -1,4 +1,4 @@
-"""The final answer's token span of a response (the last number it writes), which pivots may be kept out of.
+"""The final answer's token span of a response (the answer the grader reads), which pivots may be kept out of.
 
 The span is found in the decoded text and mapped back to tokens through each token's start character. Decoding every
 prefix gives those offsets for any tokenizer (``char_offsets``), at a cost quadratic in the response's length: 1.55-1.59
@@ -11,14 +11,13 @@ decode a prefix as its tokens' bytes read as UTF-8, so their offsets come from o
 from __future__ import annotations
 
 import codecs
-import re
 import weakref
 from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import ByteLevel
 
-_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+from replaynoise.data.grading import graded_answer
 
 
 def char_offsets(tokenizer: Any, ids: list[int]) -> list[int]:
@@ -62,12 +61,13 @@ def token_offsets(tokenizer: Any, ids: list[int], text: str) -> list[int]:
 
 
 def answer_token_span(tokenizer: Any, response_ids: list[int]) -> tuple[int, int] | None:
-    """Token indices [start, end) covering the last number of the response: the final-answer span."""
+    """Token indices [start, end) covering the answer the grader reads (``grading.graded_answer``): the
+    final-answer span."""
     text = tokenizer.decode(response_ids, skip_special_tokens=False)
-    matches = list(_LAST_NUMBER.finditer(text))
-    if not matches:
+    found = graded_answer(text)
+    if found is None:
         return None
-    lo, hi = matches[-1].span()
+    _, lo, hi = found
     offsets = token_offsets(tokenizer, response_ids, text)
     tokens = [i for i in range(len(response_ids)) if offsets[i] < hi and offsets[i + 1] > lo]
     return (tokens[0], tokens[-1] + 1) if tokens else None
