@@ -885,6 +885,20 @@ def test_a_documented_default_written_out_validates_to_the_config_without_it(wri
     assert analysis_hash(validate_config(_tiny(**written))) == analysis_hash(validate_config(_tiny()))
 
 
+def test_the_default_static_attention_written_out_fingerprints_as_its_absence(monkeypatch):
+    """static_attention: gemm changed the hash and reran the rollouts and every pass, with identical tables; a
+    variable that says otherwise than the key is refused when the configuration is read."""
+    monkeypatch.delenv("REPLAYNOISE_STATIC_ATTENTION", raising=False)
+    static = {"model": "smollm2-135m", "device": "cuda", "decode": "static"}
+    plain = validate_config({"configs": {"c": static}})
+    written = validate_config({"configs": {"c": {**static, "static_attention": "gemm"}}})
+    assert written == plain and analysis_hash(written) == analysis_hash(plain)
+    assert validate_config({"configs": {"c": {**static, "static_attention": "sdpa"}}}) != plain
+    monkeypatch.setenv("REPLAYNOISE_STATIC_ATTENTION", "sdpa")
+    with pytest.raises(ConfigError, match=r"configs\.c\.static_attention: gemm, and the run's REPLAYNOISE_STATIC"):
+        validate_config({"configs": {"c": {**static, "static_attention": "gemm"}}})
+
+
 def _path(mapping):
     key = next(iter(mapping))
     value = mapping[key]

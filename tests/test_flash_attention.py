@@ -88,7 +88,8 @@ def test_static_attention_is_a_configuration_key_absent_unless_given_and_refused
     given = configuration(device="cuda", static_attention="fa3")
     assert EngineSettings.of(given).static_attention == "fa3" and "static_attention" in HF_ONLY_KEYS
     assert not {"static_attention"} & {*PASS_ONLY_KEYS, *ROLLOUT_ONLY_KEYS}  # rollouts and passes both read it
-    assert configuration(decode="static", static_attention="gemm")["static_attention"] == "gemm"  # a CPU may
+    assert configuration(decode="static", static_attention="sdpa")["static_attention"] == "sdpa"  # a CPU may
+    assert "static_attention" not in configuration(decode="static", static_attention="gemm")  # the default
     for refused in (
         dict(device="cuda", decode="dynamic"),
         dict(device="cuda", kernels="invariant"),

@@ -396,7 +396,8 @@ def test_read_json_names_a_truncated_file(tmp_path):
 
 
 def test_the_static_attention_variable_is_checked_by_name_and_recorded(monkeypatch, git_repo):
-    from replaynoise.engines.hf.kernels import INVARIANT_ATTENTION, STATIC_ATTENTION, static_attention
+    from replaynoise.engines.hf.kernels import static_attention
+    from replaynoise.engines.hf.settings import INVARIANT_ATTENTION, STATIC_ATTENTION
 
     config = validate_config(yaml.safe_load(DEFAULT_CONFIG_PATH.read_text()))
     repo, _ = git_repo

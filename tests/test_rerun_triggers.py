@@ -23,8 +23,8 @@ FIGURES = {
         "mismatch_flips",
     )
 }
-#: The manifest rule records the whole configuration in provenance.json: a setting no result reads reruns it alone.
-RECORD = {"manifest"}
+#: The prices are the cost statement's alone (the manifest records the configuration of the run that wrote it).
+PRICES = {"cost_report"}
 
 #: key (configs.* is the tiny configuration) -> (a changed value, the steps that read it)
 READERS = {
@@ -89,17 +89,19 @@ READERS = {
     "figures.conditioning": ("none", FIGURES),
     "figures.margin_bins": (4, {"figure_disagreement_vs_margin"}),
     "resources.shard_size": (3, ROLLOUTS),  # the shards' files are other files (tests/test_sharding.py: same numbers)
-    "resources.threads": (2, RECORD),
-    "resources.mem_mb": (4000, RECORD),
-    "resources.runtime": (60, RECORD),
-    "resources.gpus": (2, RECORD),
-    "cost.gpu_hour": (3.0, RECORD),
-    "cost.cpu_core_hour": (0.03, RECORD),
-    "cost.currency": ("EUR", RECORD),
+    # what a job may use moves no result: no step reruns, the manifest included; the cost statement prices each
+    # job's declared threads and devices, so it alone follows them
+    "resources.threads": (2, PRICES),
+    "resources.mem_mb": (4000, set()),
+    "resources.runtime": (60, set()),
+    "resources.gpus": (2, set()),
+    "cost.gpu_hour": (3.0, PRICES),
+    "cost.cpu_core_hour": (0.03, PRICES),
+    "cost.currency": ("EUR", PRICES),
     # the regime probe is no step of a campaign (snakemake regime; tests/test_mechanism.py checks its own reruns)
-    "regime.problems": (2, RECORD),
-    "regime.rollouts": (2, RECORD),
-    "regime.pivots": (4, RECORD),
+    "regime.problems": (2, set()),
+    "regime.rollouts": (2, set()),
+    "regime.pivots": (4, set()),
 }
 
 #: Keys a change of which the tiny finished run cannot plan, and where their readers are checked instead.
@@ -154,3 +156,15 @@ def test_every_schema_key_has_its_readers_checked():
 def test_a_changed_setting_reruns_exactly_the_steps_that_read_it(tiny_run, key):
     value, readers = READERS[key]
     assert rerun_readers(tiny_run, with_setting(TINY, key.replace("*", "tiny"), value)) == readers
+
+
+@pytest.mark.parametrize("value", ["sdpa", "gemm"])
+def test_the_attention_variable_reruns_the_model_steps_where_it_changes_their_kernel(tiny_run, monkeypatch, value):
+    """REPLAYNOISE_STATIC_ATTENTION=sdpa changed 29 result files of a finished gemm run, which reported nothing to
+    do: a resumed run could mix kernels. Its value is in the model steps' settings where it changes the kernel."""
+    monkeypatch.setenv("REPLAYNOISE_STATIC_ATTENTION", value)
+    readers = rerun_readers(tiny_run, TINY)
+    if value == "gemm":  # the default: nothing changes
+        assert readers == set()
+    else:
+        assert readers >= ROLLOUTS and "manifest" not in readers  # the passes follow their changed rollouts

@@ -19,6 +19,7 @@ from replaynoise.config import (  # noqa: E402
 from replaynoise.data.datasets import check_n_problems  # noqa: E402
 from replaynoise.machine import job_gpus, overlay_adds_default_configs, platform_problems  # noqa: E402
 from replaynoise.data.models import model_source_files, prepared_model_key  # noqa: E402
+from replaynoise.engines.hf.settings import attention_variable  # noqa: E402
 from replaynoise.overlays import misordered  # noqa: E402
 from replaynoise.generation.passes import pass_spec, replay_draws, run_passes  # noqa: E402
 from replaynoise.generation.regime import RegimeSettings  # noqa: E402
@@ -276,7 +277,9 @@ def cost_file(ext):
 
 
 def settings(wildcards):
-    return config["configs"][wildcards.config]
+    """A configuration's settings as its steps read them, with the run's attention variable where it changes what
+    the configuration computes (replaynoise.engines.hf.settings.attention_variable)."""
+    return {**config["configs"][wildcards.config], **attention_variable(config["configs"][wildcards.config])}
 
 
 def rollout_settings(wildcards):

@@ -13,7 +13,7 @@ n = write_manifest(list(snakemake.input), "results", snakemake.output.manifest)
 write_json(
     sealed(
         provenance_record(
-            snakemake.params.config,
+            snakemake.config,
             snakemake.params.analysis_hash,
             snakemake.params.repo,
             logs=Path(snakemake.log[0]).parent,

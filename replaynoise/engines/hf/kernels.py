@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+from replaynoise.engines.hf.settings import INVARIANT_ATTENTION, STATIC_ATTENTION, STATIC_ATTENTION_VARIABLE
 from replaynoise.engines.sampling import nucleus_by_search, sample_rows
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,6 @@ EAGER_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, S
 #: batch invariance was verified with ``sdpa``).
 #: ``REPLAYNOISE_STATIC_ATTENTION`` overrides both for a run (a tuning knob; provenance.json records it).
 STATIC_ATTENTIONS = ("sdpa", "efficient", "gemm", "fa3")
-STATIC_ATTENTION = "gemm"
-INVARIANT_ATTENTION = "sdpa"
-STATIC_ATTENTION_VARIABLE = "REPLAYNOISE_STATIC_ATTENTION"
 
 
 def static_attention(invariant: bool = False, given: str | None = None) -> str:

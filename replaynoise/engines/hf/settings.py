@@ -3,9 +3,16 @@ invariant configuration that decodes statically."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from replaynoise.settings import INVARIANT_PROMPT, INVARIANT_ROWS, ConfigError
+
+#: the stock static decoders' attention and the invariant decoder's (``kernels.static_attention`` says why), and
+#: the variable that overrides both for a run where a configuration names none
+STATIC_ATTENTION = "gemm"
+INVARIANT_ATTENTION = "sdpa"
+STATIC_ATTENTION_VARIABLE = "REPLAYNOISE_STATIC_ATTENTION"
 
 
 def prepare(name: str, settings: dict, given: dict, **_: Any) -> None:
@@ -62,8 +69,25 @@ def check(name: str, settings: dict, **_: Any) -> None:
             f"({GPU_ATTENTIONS[settings['static_attention']]}), and this configuration runs on 'cpu'; choose gemm or "
             "sdpa there, or remove the key"
         )
+    variable = os.environ.get(STATIC_ATTENTION_VARIABLE)
+    if variable is not None and settings.get("static_attention", variable) != variable:
+        raise ConfigError(
+            f"config key configs.{name}.static_attention: {settings['static_attention']}, and the run's "
+            f"{STATIC_ATTENTION_VARIABLE} says {variable}; unset the variable or change the key"
+        )
     if settings.get("compile_rollouts") and settings["device"] == "cpu":
         raise ConfigError(
             f"config key configs.{name}.compile_rollouts: compiles the static decoder's CUDA step, and this "
             "configuration runs on 'cpu', where the decoder runs eagerly; remove it"
         )
+
+
+def attention_variable(settings: dict) -> dict[str, str]:
+    """The run's ``REPLAYNOISE_STATIC_ATTENTION`` as a setting of an hf configuration's model steps, where it names
+    another attention than the configuration's default: the steps' parameters then hold it, so that setting or
+    changing the variable reruns them and a resumed run never mixes kernels. Empty where it changes nothing."""
+    variable = os.environ.get(STATIC_ATTENTION_VARIABLE)
+    default = INVARIANT_ATTENTION if settings.get("kernels") == "invariant" else STATIC_ATTENTION
+    if settings.get("engine") != "hf" or variable is None or variable == settings.get("static_attention", default):
+        return {}
+    return {"attention_variable": variable}

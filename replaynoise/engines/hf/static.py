@@ -18,13 +18,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from replaynoise.engines.hf.cpu_matmul import Fp32Linear
 from replaynoise.engines.hf.flash import attend_flash, fa3_forward
-from replaynoise.engines.hf.kernels import (
-    INVARIANT_ATTENTION,
-    STATIC_ATTENTION,
-    compiled_sampler,
-    eager_sampler,
-    layer_functions,
-)
+from replaynoise.engines.hf.kernels import compiled_sampler, eager_sampler, layer_functions
+from replaynoise.engines.hf.settings import INVARIANT_ATTENTION, STATIC_ATTENTION
 from replaynoise.engines.sampling import logprob_rows, token_logprob_of
 
 log = logging.getLogger(__name__)
