@@ -78,7 +78,7 @@ def snapshot(results: Path, reference: Path) -> list[Path]:
     manifest = read_manifest(results / "MANIFEST.sha256")
     problems = [
         f"{results / rel}: differs from its manifest"
-        for rel in chosen[2:]
+        for rel in chosen[len(RUN_RECORDS) :]
         if sha256_file(results / rel) != manifest[rel]
     ]
     problems += record_problems(results) + self_description_problems(results)

@@ -548,11 +548,13 @@ def test_compare_across_different_settings_says_first_that_the_analysis_hashes_d
     (other / "provenance.json").write_text(json.dumps(provenance))
     table = other / "tables" / "headline.csv"
     table.write_text(table.read_text().replace("0.", "1.", 1))
+    for path in other.glob("analysis/*/comparison.json"):  # a run of other settings: its every record says so
+        path.write_text(json.dumps({**json.loads(path.read_text()), "analysis_hash": "0123456789abcdef"}))
     manifest = other / "MANIFEST.sha256"
     manifest.write_text(
         "".join(
             f"{sha256_file(other / line.split(maxsplit=1)[1])}  {line.split(maxsplit=1)[1]}\n"
-            if line.endswith("tables/headline.csv")
+            if line.endswith(("tables/headline.csv", "comparison.json"))
             else line + "\n"
             for line in manifest.read_text().splitlines()
         )
