@@ -30,9 +30,9 @@ from replaynoise.analysis.mechanism import mechanism_summary
 from replaynoise.analysis.prefix_mismatch import mismatch_rows
 from replaynoise.generation.passes import replay_draws
 from replaynoise.generation.regime import ProbeRun
-from replaynoise.io import read_json, read_parquet, write_json, write_text
+from replaynoise.io import UnreadableFileError, read_json, read_parquet, write_json, write_text
 from replaynoise.report.mechanism import markdown, plot_mechanism, write_table
-from replaynoise.vouching import check_destination
+from replaynoise.vouching import check_destination, require_intact
 
 
 def probe_rows(run: ProbeRun) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -121,6 +121,16 @@ def folder_configs(reference: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.is_dir())
 
 
+#: what the mechanism reads of a committed campaign's folder (``folder_rows``, ``campaign_side``)
+CAMPAIGN_READS = (
+    "credit/*/*.parquet",
+    "analysis/*/comparison.json",
+    "analysis/*/first_steps.parquet",
+    "analysis/*/mismatch.parquet",
+    "rows/*/*.parquet",
+)
+
+
 def folder_rows(
     reference: Path, config: str | None = None
 ) -> tuple[str, dict[str, pl.DataFrame], pl.DataFrame | None, pl.DataFrame | None]:
@@ -128,6 +138,7 @@ def folder_rows(
     credit of exact and the draws, each row's first step (kept by the run, or the partial folder's rows) and the
     prefix mismatch, each None where the folder does not keep it."""
     reference = Path(reference)
+    require_intact(reference, "the mechanism", reads=CAMPAIGN_READS)
     names = folder_configs(reference)
     if config is None and len(names) != 1:
         raise ValueError(f"{reference / 'credit'}: one configuration expected, found {names}; name one")
@@ -274,6 +285,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _command(args)
+    except (OSError, ValueError, UnreadableFileError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.command == "show":
         print("\n".join(verdict(read_json(args.probe))))
         return 0

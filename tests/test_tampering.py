@@ -17,6 +17,7 @@ from replaynoise.io import FolderBusyError, hold_folder, read_manifest
 from replaynoise.partials import partial
 from replaynoise.power import main as power_main
 from replaynoise.reference import main
+from replaynoise.regime import main as regime_main
 from replaynoise.vouching import record_problems, sealed, self_description_problems
 
 REPO = Path(__file__).resolve().parents[1]
@@ -296,3 +297,12 @@ def test_a_folder_held_by_one_run_is_refused_to_another_through_any_link_and_fre
         hold_folder(tmp_path / "elsewhere" / "results")
     os.close(held)  # as when the run ends, however it ends
     os.close(hold_folder(tmp_path / "elsewhere" / "results"))
+
+
+def test_the_mechanism_and_its_validation_refuse_an_edited_campaign_by_file(tmp_path, capsys):
+    campaign = copy(LADDER / "qwen-1.5b", tmp_path / "qwen-1.5b")
+    credit = campaign / "credit" / "qwen2.5-coder-1.5b-vllm" / "refeed.parquet"
+    pl.read_parquet(credit).with_columns(a_hat=-pl.col("a_hat")).write_parquet(credit)
+    assert regime_main(["mechanism", str(campaign), "--out", str(tmp_path / "out")]) == 2
+    assert f"{credit} differs from its manifest" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
