@@ -305,4 +305,7 @@ def test_the_mechanism_and_its_validation_refuse_an_edited_campaign_by_file(tmp_
     pl.read_parquet(credit).with_columns(a_hat=-pl.col("a_hat")).write_parquet(credit)
     assert regime_main(["mechanism", str(campaign), "--out", str(tmp_path / "out")]) == 2
     assert f"{credit} differs from its manifest" in capsys.readouterr().err
+    (tmp_path / "probe.json").write_text("{}")
+    assert regime_main(["validate", f"{tmp_path / 'probe.json'}={campaign}", "--out", str(tmp_path / "out")]) == 2
+    assert f"{credit} differs from its manifest" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
