@@ -340,7 +340,7 @@ def _tables(args: argparse.Namespace, argv: list[str] | None) -> int:
 
 
 def _contrast(args: argparse.Namespace, argv: list[str] | None) -> int:
-    check_destination(args.out, [args.first, args.second], "contrast")
+    check_destination(args.out, [args.first, args.second], "contrast", tree=False)
     for folder in (args.first, args.second):
         require_intact(folder, "contrast", reads=["analysis/*/comparison.json"])
     write_text("\n".join(contrast_lines(args.first, args.second)) + "\n", args.out)
@@ -352,12 +352,12 @@ def _combine(args: argparse.Namespace, argv: list[str] | None) -> int:
     for folder in args.folders:
         require_intact(folder, "combine", reads=["credit/*/*.parquet", "partial.json"])
     if args.out is not None:
-        check_destination(args.out, args.folders, "combine")
+        check_destination(args.out, args.folders, "combine", tree=False)
     return combine_command(args, argv)
 
 
 def _figure(args: argparse.Namespace, argv: list[str] | None) -> int:
-    check_destination(args.out, args.folders, "figure")
+    check_destination(args.out, args.folders, "figure", tree=False)
     for folder in args.folders:
         require_intact(folder, "figure", reads=["analysis/*/comparison.json", "analysis/*/channels.csv"])
     args.out.mkdir(parents=True, exist_ok=True)

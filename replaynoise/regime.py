@@ -247,7 +247,7 @@ def validation_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
 def write_mechanism(folders: Sequence[Path], out: Path, drawn: Sequence[Path] | None = None) -> int:
     """The mechanism of every configuration of ``folders`` into ``out``: one summary JSON, the table (md, csv) and
     the figure of ``drawn`` (default: all of them; a figure of twenty series is unreadable)."""
-    check_destination(out, list(folders), "mechanism")
+    check_destination(out, list(folders), "mechanism", tree=False)
     summaries, sources = {}, {}
     for folder in folders:
         for config in folder_configs(folder):
@@ -310,7 +310,7 @@ def _command(args: argparse.Namespace) -> int:
             )
             return 2
         pairs.append((Path(probe), Path(reference)))
-    check_destination(args.out, [r for _, r in pairs], "validate")
+    check_destination(args.out, [r for _, r in pairs], "validate", tree=False)
     rows = validation_rows(pairs)
     write_json(rows, args.out / "validation.json")
     write_text(validation_markdown(rows), args.out / "validation.md")

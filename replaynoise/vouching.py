@@ -191,15 +191,18 @@ def _holds(folder: Path, path: Path) -> bool:
     return folder == path or folder in path.parents
 
 
-def check_destination(dest: Path, sources: list[Path], action: str, replaces_snapshot: bool = False) -> None:
-    """Refuse a destination a command would delete or write into that is a source, lies inside one, is (or holds)
-    a source or the current folder, or lies in a folder a manifest vouches for (a run's or a reference's; but a
-    snapshot's own earlier folder where ``replaces_snapshot``), links resolved: ``snapshot results results`` once
-    deleted every result."""
+def check_destination(
+    dest: Path, sources: list[Path], action: str, replaces_snapshot: bool = False, tree: bool = True
+) -> None:
+    """Refuse a destination a command would delete or write into that is a source, lies inside one, or lies in a
+    folder a manifest vouches for (a run's or a reference's; but a snapshot's own earlier folder where
+    ``replaces_snapshot``), links resolved. A command that writes a ``tree`` (and may replace it) is also refused one
+    that is or holds a source or the current folder: ``snapshot results results`` once deleted every result; one
+    that writes named files alone (a figure, a table) may write them beside its sources."""
     dest = Path(dest)
     for source in [*map(Path, sources), Path.cwd()]:
         what = "the current folder" if source == Path.cwd() else str(source)
-        if _holds(dest, source):
+        if tree and _holds(dest, source):
             raise ValueError(
                 f"{dest}: {action} would write into {what}, which it is or holds; give a folder outside it"
             )

@@ -25,6 +25,8 @@ GEMMA = REPO / "reference" / "gpu" / "gemma"
 LADDER = REPO / "reference" / "gpu-vllm" / "ladder"
 PILOT = LADDER / "qwen-0.5b"  # replicated passes: a pilot power plans from, a side of a contrast
 PILOT_CONFIG = "qwen2.5-coder-0.5b-vllm"
+SGLANG = REPO / "reference" / "gpu-sglang"
+SGLANG_RUNS = ("qwen-1.5b-vllm-problems", "qwen-1.5b-vllm-problems-2026-12-06")  # two runs of one campaign
 
 
 def copy(folder: Path, dest: Path) -> Path:
@@ -196,8 +198,16 @@ def test_no_command_writes_into_a_reference_or_its_source_even_through_a_link(tm
         assert "figure would write" in capsys.readouterr().err
     assert main(["combine", str(pilot), str(PILOT), "--out", str(other)]) == 2
     assert "combine would write" in capsys.readouterr().err
+    assert main(["combine", str(pilot), str(PILOT)]) == 2  # one run twice: named, not a TypeError
+    assert f"{PILOT} and {pilot} hold the same credit tables" in capsys.readouterr().err
     assert main(["rebuild", str(pilot), str(other / "rebuilt")]) == 2
     assert "rebuild would write" in capsys.readouterr().err
+    assert {f: tree(f) for f in (pilot, other)} == before
+    # named files beside the sources, in a folder no manifest vouches for, as reference/gpu's figure is drawn
+    assert main(["figure", str(tmp_path / "refs"), str(pilot)]) == 0
+    runs = [copy(SGLANG / name, tmp_path / "runs" / name) for name in SGLANG_RUNS]
+    assert main(["combine", *map(str, runs), "--out", str(tmp_path / "runs")]) == 0
+    assert (tmp_path / "refs" / "channel_agreement.png").is_file() and list((tmp_path / "runs").glob("combined-*"))
     assert {f: tree(f) for f in (pilot, other)} == before
 
 

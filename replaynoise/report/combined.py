@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from replaynoise.analysis.runs import combine_runs
-from replaynoise.io import read_json, read_parquet, write_json, write_text
+from replaynoise.io import read_json, read_parquet, sha256_file, write_json, write_text
 
 #: the conditionings combined: the paper's main one, and the one whose sets do not depend on the treatment
 COMBINED = ("main", "treatment_independent")
@@ -62,9 +62,14 @@ def combine_folders(folders: list[Path], configuration: str | None = None) -> di
         for k in keys
         if any(c["configs"][name].get(k, c.get(k)) != first["configs"][name].get(k, first.get(k)) for c in configs)
     ]
-    credits = []
+    credits: list[dict] = []
+    seen: dict[tuple, Path] = {}
     for folder in folders:
         files = sorted((folder / "credit" / name).glob("*.parquet"))
+        digest = tuple((p.name, sha256_file(p)) for p in files)
+        if digest in seen:  # a copy has no run-to-run variance of its own: the run-level F test is undefined
+            raise ValueError(f"{folder} and {seen[digest]} hold the same credit tables: combine takes distinct runs")
+        seen[digest] = folder
         credits.append({p.stem: read_parquet(p) for p in files})
     result = combine_runs(credits, COMBINED, metric, ci)
     return {
