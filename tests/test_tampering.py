@@ -18,6 +18,7 @@ from replaynoise.partials import partial
 from replaynoise.power import main as power_main
 from replaynoise.reference import main
 from replaynoise.regime import main as regime_main
+from replaynoise.snapshots import rewrite_manifest_lines
 from replaynoise.vouching import record_problems, sealed, self_description_problems
 
 REPO = Path(__file__).resolve().parents[1]
@@ -319,3 +320,19 @@ def test_the_mechanism_and_its_validation_refuse_an_edited_campaign_by_file(tmp_
     assert regime_main(["validate", f"{tmp_path / 'probe.json'}={campaign}", "--out", str(tmp_path / "out")]) == 2
     assert f"{credit} differs from its manifest" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_tables_reseal_a_sealed_record_after_rewriting_manifest_lines(tmp_path, capsys):
+    """A snapshot of a sealed run keeps its seal; ``tables`` rewrites manifest lines from verified inputs and
+    sets the record's manifest digest to the new manifest, so the folder still checks out."""
+    ref = copy(GEMMA, tmp_path / "gemma")
+    record = json.loads((ref / "provenance.json").read_text())
+    (ref / "provenance.json").write_text(json.dumps(sealed(record, ref / "MANIFEST.sha256")))
+    (ref / "tables" / "headline.md").write_text("a stale table\n")
+    assert main(["tables", str(ref)]) == 0, capsys.readouterr().err
+    assert record_problems(ref, required=True) == []
+    assert main(["compare", str(ref), str(GEMMA)]) == 0
+    before = (ref / "MANIFEST.sha256").read_bytes()
+    (ref / "tables" / "headline.md").write_text("a table the new table code writes\n")
+    rewrite_manifest_lines(ref, ["tables/headline.md"])  # as tables and reanalyze do after a code change
+    assert (ref / "MANIFEST.sha256").read_bytes() != before and record_problems(ref, required=True) == []
