@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import weakref
 
 import pytest
 from helpers import PACKAGES
@@ -235,3 +236,30 @@ def test_an_id_given_a_token_after_a_call_is_read_anew(monkeypatch):
     assert tokenizer.convert_tokens_to_ids(" 8 ") == new
     assert_fast_equals_slow(tokenizer, [[0x37, new], [new, 0x37, new]], monkeypatch)
     assert token_offsets(tokenizer, [0x37, new], "7 8 ") == [0, 1, 4]
+
+
+class _NoWeakReference:
+    """A ``tokenizers`` backend as some releases build it: one that takes no weak reference (no ``__weakref__``)."""
+
+    __slots__ = ("backend",)
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def id_to_token(self, i: int):
+        return self.backend.id_to_token(i)
+
+
+def test_a_backend_that_takes_no_weak_reference_still_gives_the_fast_offsets(monkeypatch):
+    """The fast offsets keep each backend's token bytes; a backend that refuses a weak reference (tokenizers 0.22, as
+    SGLang's environment pins it) must neither fail nor fall back."""
+    tokenizer = byte_tokenizer()
+    ids = tokenizer("The answer is 12. That took 3 steps.")["input_ids"]
+    text, expected = tokenizer.decode(ids, skip_special_tokens=False), char_offsets(tokenizer, ids)
+    stand_in = _NoWeakReference(tokenizer.backend_tokenizer)
+    with pytest.raises(TypeError):
+        weakref.ref(stand_in)
+    monkeypatch.setattr(answer_spans, "byte_level_backend", lambda _: stand_in)
+    monkeypatch.setattr(answer_spans, "char_offsets", lambda *_: pytest.fail("fell back to the slow offsets"))
+    assert token_offsets(tokenizer, ids, text) == expected
+    assert token_offsets(tokenizer, ids, text) == expected  # again, from the kept token bytes
