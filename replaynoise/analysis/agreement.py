@@ -55,6 +55,11 @@ DEFINITIONS = {
     "change_point": "the key count that best splits the positions into an equal-more-often part below and an "
     "equal-less-often part above (least squares over two constant shares, positions weighted by their tokens); "
     f"none where the two shares differ by less than {MIN_STEP}",
+    "change_point_by_step": "the same split over the rollout's decode steps (a token's index in the response) "
+    "instead of keys: a switch that follows the decode batch, which shrinks as rows finish, is sharper by step; one "
+    "that follows an attention kernel's tile is sharper by keys",
+    "spread": "the split's binomial sum of squares per token, sum of n p (1 - p) over its two parts over all tokens: "
+    "the lower, the sharper",
 }
 
 
@@ -112,11 +117,11 @@ def pivot_agreement(steps: pl.DataFrame, reference: str = REFERENCE_PASS) -> pl.
 
 # --------------------------------------------------------------------------------------------- positions
 def token_gaps(mismatch: pl.DataFrame, lengths: pl.DataFrame) -> pl.DataFrame:
-    """One row per pass, pivot and re-fed prefix token: its absolute position (the keys its step attended) and its
-    decode-time and re-fed log-probs. The tokens of a pivot's prefix are the last ``len(decode_logprobs)`` before its
-    ``prefix_len`` (``lengths``: one row per pivot, ``pivot_id`` and ``prefix_len``); pivots with no scored token
-    are left out."""
-    frame = mismatch.select("pass", "pivot_id", "decode_logprobs", "refeed_logprobs").filter(
+    """One row per pass, pivot and re-fed prefix token: its absolute position (the keys its step attended), the
+    rollout's decode step that sampled it (its index in the response) and its decode-time and re-fed log-probs. The
+    tokens of a pivot's prefix are the last ``len(decode_logprobs)`` before its ``prefix_len`` (``lengths``: one row
+    per pivot, ``pivot_id`` and ``prefix_len``); pivots with no scored token are left out."""
+    frame = mismatch.select("pass", "pivot_id", "t", "decode_logprobs", "refeed_logprobs").filter(
         pl.col("decode_logprobs").list.len() > 0
     )
     frame = frame.join(lengths.select("pivot_id", "prefix_len"), on="pivot_id", how="inner")
@@ -127,6 +132,7 @@ def token_gaps(mismatch: pl.DataFrame, lengths: pl.DataFrame) -> pl.DataFrame:
         "pass",
         "pivot_id",
         pl.col("keys").cast(pl.Int64),
+        (pl.col("keys") - pl.col("prefix_len") + pl.col("t")).cast(pl.Int64).alias("step"),
         pl.col("decode_logprobs").alias("decode"),
         pl.col("refeed_logprobs").alias("refeed"),
     )
@@ -162,13 +168,16 @@ def position_agreement(gaps: pl.DataFrame) -> pl.DataFrame:
     return gap_stats(gaps, ["pass", "keys"])
 
 
-def change_point(keys: np.ndarray, tokens: np.ndarray, equal_share: np.ndarray) -> dict[str, Any]:
-    """The key count where bitwise equality changes most (``DEFINITIONS['change_point']``): the split of the ordered
-    positions that minimises the two parts' binomial sums of squares, with each part's share and tokens."""
+def change_point(keys: np.ndarray, tokens: np.ndarray, equal_share: np.ndarray, name: str = "keys") -> dict[str, Any]:
+    """The key count (or, by ``name``, other ordered position) where bitwise equality changes most
+    (``DEFINITIONS['change_point']``): the split of the ordered positions that minimises the two parts' binomial sums
+    of squares, with each part's share and tokens, and ``spread``, that sum per token: the lower, the sharper the
+    switch, which tells a switch by keys (an attention kernel's tile) from one by decode step (the batch a step
+    decoded, which shrinks as rows finish)."""
     order = np.argsort(keys)
     keys, n = np.asarray(keys)[order], np.asarray(tokens, dtype=np.float64)[order]
     e = np.asarray(equal_share, dtype=np.float64)[order] * n
-    out: dict[str, Any] = {"keys": None, "share_below": None, "share_above": None, "tokens_below": 0, "tokens_above": 0}
+    out: dict[str, Any] = {name: None, "share_below": None, "share_above": None, "tokens_below": 0, "tokens_above": 0}
     if keys.size < 2:
         return out
     n_lo, e_lo = np.cumsum(n)[:-1], np.cumsum(e)[:-1]
@@ -180,11 +189,12 @@ def change_point(keys: np.ndarray, tokens: np.ndarray, equal_share: np.ndarray) 
         share = json_number(e.sum() / n.sum())
         return {**out, "share_below": share, "share_above": share, "tokens_below": int(n.sum())}
     return {
-        "keys": int(keys[best + 1]),
+        name: int(keys[best + 1]),
         "share_below": json_number(below),
         "share_above": json_number(above),
         "tokens_below": int(n_lo[best]),
         "tokens_above": int(n_hi[best]),
+        "spread": json_number(float(sse[best] / n.sum())),
     }
 
 
@@ -266,6 +276,10 @@ def regime_stats(agreement: pl.DataFrame | None, gaps: pl.DataFrame | None) -> d
         positions = position_agreement(refeed_gaps)
         out["change_point"] = change_point(
             positions["keys"].to_numpy(), positions["tokens"].to_numpy(), positions["equal_share"].to_numpy()
+        )
+        steps = gap_stats(refeed_gaps, ["step"])
+        out["change_point_by_step"] = change_point(
+            steps["step"].to_numpy(), steps["tokens"].to_numpy(), steps["equal_share"].to_numpy(), name="step"
         )
         out["by_keys"] = positions.drop("pass").to_dicts()
     return out
