@@ -31,7 +31,7 @@ for item in "$@"; do
     rc=$?
     mkdir -p "$dest"
     cp "$work"/results/regime/*/probe.json "$work"/results/regime/*/first_steps.parquet \
-        "$work"/results/regime/*/mismatch.parquet "$dest/" 2>/dev/null
+        "$work"/results/regime/*/mismatch.parquet "$work"/results/regime/*/decode.parquet "$dest/" 2>/dev/null
     cp "$work"/results/logs/regime_probe/*.log "$dest/" 2>/dev/null
     rm -rf "$work"/results/regime
     log "probe $n $item end rc $rc"

@@ -51,7 +51,7 @@ def probe_summary(run: ProbeRun, steps: pl.DataFrame, mismatch: pl.DataFrame) ->
         "pivots": run.pivots.height,
         "prefix_len": {"min": run.pivots["prefix_len"].min(), "max": run.pivots["prefix_len"].max()},
         "seconds": {key: round(value, 2) for key, value in run.seconds.items()},
-        **probe_stats(steps, mismatch),
+        **probe_stats(steps, mismatch, run.decode),
     }
 
 
@@ -59,9 +59,11 @@ def probe_summary(run: ProbeRun, steps: pl.DataFrame, mismatch: pl.DataFrame) ->
 RUN_FIELDS = ("config", "settings", "size", "problems", "rollouts", "pivots", "prefix_len", "seconds")
 
 
-def folder_probe(folder: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """A probe folder's kept rows: its first steps and its re-fed prefix mismatch."""
-    return read_parquet(folder / "first_steps.parquet"), read_parquet(folder / "mismatch.parquet")
+def folder_probe(folder: Path) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame | None]:
+    """A probe folder's kept rows: its first steps, its re-fed prefix mismatch and, where kept, its rollouts'
+    batches and lengths (``decode.parquet``)."""
+    decode = read_parquet(folder / "decode.parquet") if (folder / "decode.parquet").is_file() else None
+    return read_parquet(folder / "first_steps.parquet"), read_parquet(folder / "mismatch.parquet"), decode
 
 
 def recompute(folder: Path) -> dict[str, Any]:

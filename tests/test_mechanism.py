@@ -22,6 +22,7 @@ from replaynoise.analysis.agreement import (
     position_agreement,
     regime_stats,
     token_gaps,
+    with_decode_rows,
 )
 from replaynoise.analysis.comparison import replicated_block
 from replaynoise.analysis.conditionings import wide_frame
@@ -126,6 +127,21 @@ def test_tokens_are_placed_by_the_keys_their_step_attended():
     assert positions["token_mult_prob_error"][1] == pytest.approx(np.exp(0.5))
 
 
+def test_each_token_knows_how_many_sequences_its_decode_step_ran():
+    """A batch's rollouts decode together until each ends: at step s, those whose responses are longer than s."""
+    decode = pl.DataFrame(
+        {
+            "problem_id": ["p", "p", "p", "q"],
+            "rollout": [0, 1, 2, 0],
+            "batch": [0, 0, 0, 1],
+            "response_len": [3, 5, 10, 4],
+        }
+    )
+    mismatch = pl.DataFrame({"pivot_id": ["p/r2@9", "q/r0@3"], "problem_id": ["p", "q"], "rollout": [2, 0]})
+    gaps = pl.DataFrame({"pivot_id": ["p/r2@9"] * 4 + ["q/r0@3"], "step": [2, 3, 4, 5, 2]})
+    assert with_decode_rows(gaps, mismatch, decode)["rows"].to_list() == [3, 2, 2, 1, 1]
+
+
 def test_change_point_finds_a_kernel_switch():
     keys = np.arange(1, 301)
     share = np.where(keys < 129, 1.0, 0.1)
@@ -208,6 +224,9 @@ def test_the_regime_probe_runs_through_its_target_and_keeps_its_rows(tiny_regime
         summary["change_point"]["tokens_below"] + summary["change_point"]["tokens_above"]
         == (summary["prefix"]["tokens"])
     )
+    decode = read_parquet(results / "decode.parquet")
+    assert decode.select("batch", "rollout").rows() == [(0, 0)] and decode["response_len"][0] > 0
+    assert "change_point_by_rows" in summary and "change_point_by_step" in summary
     report = (tiny_regime / "results" / "regime" / "all" / "regime.md").read_text()
     assert "## tiny" in report and "token_mult_prob_error" in report
 

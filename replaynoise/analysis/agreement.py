@@ -58,6 +58,8 @@ DEFINITIONS = {
     "change_point_by_step": "the same split over the rollout's decode steps (a token's index in the response) "
     "instead of keys: a switch that follows the decode batch, which shrinks as rows finish, is sharper by step; one "
     "that follows an attention kernel's tile is sharper by keys",
+    "change_point_by_rows": "the same split over how many sequences the decode step that sampled the token ran (a "
+    "probe's rows only, which keep each rollout's batch and length): where a decode GEMM's rows part from a prefill's",
     "spread": "the split's binomial sum of squares per token, sum of n p (1 - p) over its two parts over all tokens: "
     "the lower, the sharper",
 }
@@ -136,6 +138,23 @@ def token_gaps(mismatch: pl.DataFrame, lengths: pl.DataFrame) -> pl.DataFrame:
         pl.col("decode_logprobs").alias("decode"),
         pl.col("refeed_logprobs").alias("refeed"),
     )
+
+
+def with_decode_rows(gaps: pl.DataFrame, mismatch: pl.DataFrame, decode: pl.DataFrame) -> pl.DataFrame:
+    """``gaps`` with ``rows``: how many sequences the decode step that sampled each token ran, its batch's rollouts
+    whose responses reach past that step (``decode``: per rollout its batch and response length). A decode step's
+    GEMMs have that many rows; a prefill's have its tokens."""
+    owner = mismatch.select("pivot_id", "problem_id", "rollout").unique("pivot_id")
+    frame = gaps.join(owner, on="pivot_id", how="left").join(
+        decode.select("problem_id", "rollout", "batch"), on=["problem_id", "rollout"], how="left"
+    )
+    rows = np.zeros(frame.height, dtype=np.int64)
+    batch, step = frame["batch"].to_numpy(), frame["step"].to_numpy()
+    for b, lengths in decode.group_by("batch").agg(pl.col("response_len")).iter_rows():
+        at = batch == b
+        ends = np.sort(np.asarray(lengths, dtype=np.int64))
+        rows[at] = ends.size - np.searchsorted(ends, step[at], side="right")
+    return frame.drop("problem_id", "rollout", "batch").with_columns(rows=pl.Series(rows))
 
 
 def gap_stats(gaps: pl.DataFrame, by: Sequence[str] = ()) -> pl.DataFrame:
@@ -277,9 +296,11 @@ def regime_stats(agreement: pl.DataFrame | None, gaps: pl.DataFrame | None) -> d
         out["change_point"] = change_point(
             positions["keys"].to_numpy(), positions["tokens"].to_numpy(), positions["equal_share"].to_numpy()
         )
-        steps = gap_stats(refeed_gaps, ["step"])
-        out["change_point_by_step"] = change_point(
-            steps["step"].to_numpy(), steps["tokens"].to_numpy(), steps["equal_share"].to_numpy(), name="step"
-        )
+        for column in ("step", "rows"):
+            if column in refeed_gaps.columns:
+                by = gap_stats(refeed_gaps, [column])
+                out[f"change_point_by_{column}"] = change_point(
+                    by[column].to_numpy(), by["tokens"].to_numpy(), by["equal_share"].to_numpy(), name=column
+                )
         out["by_keys"] = positions.drop("pass").to_dicts()
     return out

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from replaynoise.analysis.agreement import pivot_agreement, regime_stats, token_gaps
+from replaynoise.analysis.agreement import pivot_agreement, regime_stats, token_gaps, with_decode_rows
 from replaynoise.analysis.paper_stats import Clusters, json_number
 
 #: The bootstrap behind every interval here, and its coverage.
@@ -25,10 +25,14 @@ N_BOOT, SEED, CI = 2000, 0, 0.95
 ROW_KEYS = ["pass", "pivot_id", "branch", "k", "prefix_len"]
 
 
-def probe_stats(steps: pl.DataFrame, mismatch: pl.DataFrame) -> dict[str, Any]:
-    """``regime_stats`` of a probe's kept rows, each pivot's prefix length read from its exact rows."""
+def probe_stats(steps: pl.DataFrame, mismatch: pl.DataFrame, decode: pl.DataFrame | None = None) -> dict[str, Any]:
+    """``regime_stats`` of a probe's kept rows, each pivot's prefix length read from its exact rows; with the
+    rollouts' batches and lengths (``decode``), the rows of each token's decode step too."""
     exact = steps.filter(pl.col("pass") == "exact").unique("pivot_id")
-    return regime_stats(pivot_agreement(steps), token_gaps(mismatch, exact) if mismatch.height else None)
+    gaps = token_gaps(mismatch, exact) if mismatch.height else None
+    if gaps is not None and decode is not None:
+        gaps = with_decode_rows(gaps, mismatch, decode)
+    return regime_stats(pivot_agreement(steps), gaps)
 
 
 def _shares(agreement: pl.DataFrame, name: str, labels: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -99,16 +103,21 @@ def same_rows(base: pl.DataFrame, other: pl.DataFrame) -> dict[str, Any]:
     return out
 
 
-def factor_rows(probes: Mapping[str, tuple[pl.DataFrame, pl.DataFrame]], base: str) -> list[dict[str, Any]]:
-    """One row per probe (name: its kept first steps and prefix mismatch): its statistics (``probe_stats``), the
+#: A probe's kept rows: its first steps, its re-fed prefix mismatch and, where kept, its rollouts' batches and lengths.
+ProbeRows = tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame | None]
+
+
+def factor_rows(probes: Mapping[str, ProbeRows], base: str) -> list[dict[str, Any]]:
+    """One row per probe (name: its kept rows, ``folder_probe``'s): its statistics (``probe_stats``), the
     re-feed and replica first-step agreement with intervals and effects against probe ``base``, and whether it
     replayed the base's rows."""
     base_steps = probes[base][0]
     base_agreement = pivot_agreement(base_steps)
     rows = []
-    for name, (steps, mismatch) in probes.items():
+    for name, kept in probes.items():
+        steps = kept[0]
         agreement = pivot_agreement(steps)
-        stats = probe_stats(steps, mismatch)
+        stats = probe_stats(*kept)
         other = None if name == base else base_agreement
         rows.append(
             {
@@ -118,6 +127,7 @@ def factor_rows(probes: Mapping[str, tuple[pl.DataFrame, pl.DataFrame]], base: s
                 "replica": agreement_effect(agreement, other, "replica"),
                 "change_point": stats.get("change_point"),
                 "change_point_by_step": stats.get("change_point_by_step"),
+                "change_point_by_rows": stats.get("change_point_by_rows"),
                 "prefix": stats.get("prefix"),
                 "first_step_by_length": stats.get("first_step_by_length"),
                 "against_base": None if name == base else same_rows(base_steps, steps),
