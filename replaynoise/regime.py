@@ -7,6 +7,7 @@ the same statistics computed from the campaign's own rows, and the campaign's re
 
     python -m replaynoise.regime show results/regime/<configuration>/probe.json
     python -m replaynoise.regime validate PROBE.json=REFERENCE_FOLDER ... --out DIR
+    python -m replaynoise.regime factors NAME=PROBE_FOLDER ... --base NAME --out DIR
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from replaynoise.analysis.agreement import (
     regime_stats,
     token_gaps,
 )
+from replaynoise.analysis.factors import factor_rows, probe_stats
 from replaynoise.analysis.mechanism import mechanism_summary
 from replaynoise.analysis.prefix_mismatch import mismatch_rows
 from replaynoise.generation.passes import replay_draws
 from replaynoise.generation.regime import ProbeRun
 from replaynoise.io import UnreadableFileError, read_json, read_parquet, write_json, write_text
-from replaynoise.report.mechanism import markdown, plot_mechanism, write_table
+from replaynoise.report.mechanism import factors_markdown, markdown, plot_mechanism, write_table
 from replaynoise.vouching import check_destination, require_intact
 
 
@@ -39,12 +41,6 @@ def probe_rows(run: ProbeRun) -> tuple[pl.DataFrame, pl.DataFrame]:
     """What a probe keeps of its passes: each row's first step (``first_steps``) and the re-fed prefix's log-probs
     against the decode-time ones (``mismatch_rows``)."""
     return first_steps(run.passes), mismatch_rows(run.rollouts, run.pivots, {"refeed": run.passes["refeed"]})
-
-
-def rows_stats(steps: pl.DataFrame, mismatch: pl.DataFrame) -> dict[str, Any]:
-    """``regime_stats`` of a probe's kept rows, each pivot's prefix length read from its exact rows."""
-    exact = steps.filter(pl.col("pass") == "exact").unique("pivot_id")
-    return regime_stats(pivot_agreement(steps), token_gaps(mismatch, exact) if mismatch.height else None)
 
 
 def probe_summary(run: ProbeRun, steps: pl.DataFrame, mismatch: pl.DataFrame) -> dict[str, Any]:
@@ -55,7 +51,7 @@ def probe_summary(run: ProbeRun, steps: pl.DataFrame, mismatch: pl.DataFrame) ->
         "pivots": run.pivots.height,
         "prefix_len": {"min": run.pivots["prefix_len"].min(), "max": run.pivots["prefix_len"].max()},
         "seconds": {key: round(value, 2) for key, value in run.seconds.items()},
-        **rows_stats(steps, mismatch),
+        **probe_stats(steps, mismatch, run.decode),
     }
 
 
@@ -63,11 +59,18 @@ def probe_summary(run: ProbeRun, steps: pl.DataFrame, mismatch: pl.DataFrame) ->
 RUN_FIELDS = ("config", "settings", "size", "problems", "rollouts", "pivots", "prefix_len", "seconds")
 
 
+def folder_probe(folder: Path) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame | None]:
+    """A probe folder's kept rows: its first steps, its re-fed prefix mismatch and, where kept, its rollouts'
+    batches and lengths (``decode.parquet``)."""
+    decode = read_parquet(folder / "decode.parquet") if (folder / "decode.parquet").is_file() else None
+    return read_parquet(folder / "first_steps.parquet"), read_parquet(folder / "mismatch.parquet"), decode
+
+
 def recompute(folder: Path) -> dict[str, Any]:
     """A probe folder's summary computed again from its kept rows (``first_steps.parquet``, ``mismatch.parquet``),
     what it records of its run kept as written."""
     recorded = read_json(folder / "probe.json")
-    stats = rows_stats(read_parquet(folder / "first_steps.parquet"), read_parquet(folder / "mismatch.parquet"))
+    stats = probe_stats(*folder_probe(folder))
     return {**{key: recorded[key] for key in RUN_FIELDS if key in recorded}, **stats}
 
 
@@ -85,6 +88,15 @@ def verdict(summary: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"No switch by length: re-fed prefix log-probs equal the decode-time ones bitwise in "
             f"{point['share_below']:.1%} of {point['tokens_below']:,} tokens, at every number of keys."
+        )
+    by_step = summary.get("change_point_by_step") or {}
+    if by_step.get("step") is not None and point.get("spread") is not None:
+        sharper = "decode step" if by_step["spread"] < point["spread"] else "keys"
+        lines.append(
+            f"By the rollout's decode step: {by_step['share_below']:.1%} equal before step {by_step['step']}, "
+            f"{by_step['share_above']:.1%} from it. The switch is sharper by {sharper} (spread "
+            f"{by_step['spread']:.4f} by step, {point['spread']:.4f} by keys): by keys points to an attention tile, "
+            "by step to the batch a decode step ran, which shrinks as rows finish."
         )
     if prefix.get("token_mult_prob_error") is not None:
         side = "above" if prefix["alarm"] else "below"
@@ -244,6 +256,19 @@ def validation_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_factors(named: Sequence[tuple[str, Path]], base: str, out: Path) -> int:
+    """The factor experiment of probe folders (name, folder) against probe ``base`` into ``out``: factors.json and
+    factors.md."""
+    check_destination(out, [folder for _, folder in named], "factors", tree=False)
+    rows = factor_rows({name: folder_probe(folder) for name, folder in named}, base)
+    for row, (_, folder) in zip(rows, named):
+        row["folder"] = str(folder)
+    write_json(rows, out / "factors.json")
+    write_text(factors_markdown(rows), out / "factors.md")
+    print(factors_markdown(rows))
+    return 0
+
+
 def write_mechanism(folders: Sequence[Path], out: Path, drawn: Sequence[Path] | None = None) -> int:
     """The mechanism of every configuration of ``folders`` into ``out``: one summary JSON, the table (md, csv) and
     the figure of ``drawn`` (default: all of them; a figure of twenty series is unreadable)."""
@@ -280,7 +305,27 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("validate", help="set probes beside the committed campaigns they mirror")
     check.add_argument("pairs", nargs="+", help="PROBE.json=REFERENCE_FOLDER")
     check.add_argument("--out", type=Path, required=True, help="folder for validation.md and validation.json")
+    vary = sub.add_parser("factors", help="probes of one campaign that differ in one setting, against a base probe")
+    vary.add_argument("probes", nargs="+", help="NAME=PROBE_FOLDER (first_steps.parquet, mismatch.parquet)")
+    vary.add_argument("--base", required=True, help="the NAME every other probe is set against")
+    vary.add_argument("--out", type=Path, required=True, help="folder for factors.md and factors.json")
     return parser
+
+
+def _named_folders(items: Sequence[str], base: str) -> list[tuple[str, Path]] | str:
+    """NAME=FOLDER arguments as (name, folder), or what is wrong with them."""
+    named = []
+    for item in items:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or not (Path(folder) / "first_steps.parquet").is_file():
+            return f"{item!r} is not NAME=FOLDER of a probe folder (with first_steps.parquet)"
+        named.append((name, Path(folder)))
+    names = [name for name, _ in named]
+    if len(set(names)) < len(names):
+        return f"a probe name is given twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}"
+    if base not in names:
+        return f"--base {base!r} names none of the probes ({', '.join(names)})"
+    return named
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,6 +346,12 @@ def _command(args: argparse.Namespace) -> int:
         return 0
     if args.command == "mechanism":
         return write_mechanism(args.folders, args.out, args.figure)
+    if args.command == "factors":
+        named = _named_folders(args.probes, args.base)
+        if isinstance(named, str):
+            print(f"factors: {named}", file=sys.stderr)
+            return 2
+        return write_factors(named, args.base, args.out)
     pairs = []
     for item in args.pairs:
         probe, sep, reference = item.partition("=")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import weakref
 
 import pytest
 from helpers import GRADER_CASES, PACKAGES
@@ -247,3 +248,30 @@ def test_the_answer_span_is_the_tokens_of_the_answer_the_grader_reads(text, expe
     _, lo, hi = graded_answer(text)
     start, end = answer_token_span(tokenizer, ids)
     assert tokenizer.decode(ids[start:end]) == text[lo:hi]
+
+
+class _NoWeakReference:
+    """A ``tokenizers`` backend as some releases build it: one that takes no weak reference (no ``__weakref__``)."""
+
+    __slots__ = ("backend",)
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def id_to_token(self, i: int):
+        return self.backend.id_to_token(i)
+
+
+def test_a_backend_that_takes_no_weak_reference_still_gives_the_fast_offsets(monkeypatch):
+    """The fast offsets keep each backend's token bytes; a backend that refuses a weak reference (tokenizers 0.22, as
+    SGLang's environment pins it) must neither fail nor fall back."""
+    tokenizer = byte_tokenizer()
+    ids = tokenizer("The answer is 12. That took 3 steps.")["input_ids"]
+    text, expected = tokenizer.decode(ids, skip_special_tokens=False), char_offsets(tokenizer, ids)
+    stand_in = _NoWeakReference(tokenizer.backend_tokenizer)
+    with pytest.raises(TypeError):
+        weakref.ref(stand_in)
+    monkeypatch.setattr(answer_spans, "byte_level_backend", lambda _: stand_in)
+    monkeypatch.setattr(answer_spans, "char_offsets", lambda *_: pytest.fail("fell back to the slow offsets"))
+    assert token_offsets(tokenizer, ids, text) == expected
+    assert token_offsets(tokenizer, ids, text) == expected  # again, from the kept token bytes

@@ -465,7 +465,7 @@ def test_a_key_added_after_the_first_runs_is_absent_unless_given_and_then_reache
             validate_config(sglang_config(sglang={key: refused}))
 
 
-def test_a_kv_pool_smaller_than_the_one_asked_for_stops_the_job():
+def test_a_kv_pool_smaller_than_the_one_asked_for_stops_the_job(caplog):
     """SGLang takes the smaller of max_total_tokens and what free memory holds (a warning at its log level error,
     so unseen): the batches it admits would then differ from the other jobs' of the configuration."""
     asked = validate_config(sglang_config(sglang={"max_total_tokens": 700_000, "mem_fraction_static": 0.55}))
@@ -478,8 +478,10 @@ def test_a_kv_pool_smaller_than_the_one_asked_for_stops_the_job():
         r"mem_fraction_static 0\.55",
     ):
         checked_pool({"max_total_num_tokens": 699_999}, settings, 1)
+    assert "sglang.max_total_tokens pins it" not in caplog.text
     free = validate_config(sglang_config())["configs"]["s"]
     assert checked_pool({"max_total_num_tokens": 12}, free, 1) == 12  # not asked: whatever SGLang built
+    assert "KV pool (12 tokens) from the GPU memory free at this job's start" in caplog.text  # and said so
 
 
 def test_the_jobs_warnings_outlive_sglangs_logging_setup(caplog, tmp_path):

@@ -104,7 +104,7 @@ LAYERS = [
     ],
     ["analysis.paper_stats"],
     ["analysis.replicated", "analysis.prefix_mismatch", "analysis.probes", "analysis.agreement"],
-    ["analysis.comparison", "analysis.controls"],
+    ["analysis.comparison", "analysis.controls", "analysis.factors"],
     ["analysis.pooling", "analysis.cross_scoring", "analysis.runs", "analysis.mechanism"],
     ["report.summary", "report.cost", "report.drawing", "report.headline", "report.contrasts", "report.combined"],
     ["report.tables", "report.figures", "report.mechanism"],

@@ -22,13 +22,15 @@ from replaynoise.analysis.agreement import (
     position_agreement,
     regime_stats,
     token_gaps,
+    with_decode_rows,
 )
 from replaynoise.analysis.comparison import replicated_block
 from replaynoise.analysis.conditionings import wide_frame
+from replaynoise.analysis.factors import factor_rows
 from replaynoise.analysis.mechanism import credit_by_length, main_flips, mechanism_summary
 from replaynoise.generation.passes import replay_draws, replicate_pairs
 from replaynoise.io import read_json, read_parquet
-from replaynoise.regime import folder_mechanism, main, recompute, validation_markdown, validation_rows
+from replaynoise.regime import folder_mechanism, folder_probe, main, recompute, validation_markdown, validation_rows
 from replaynoise.settings import AnalysisSettings
 
 
@@ -111,16 +113,33 @@ def test_tokens_are_placed_by_the_keys_their_step_attended():
         {
             "pass": ["refeed", "refeed"],
             "pivot_id": ["a", "b"],
+            "t": [4, 2],
             "decode_logprobs": [[-1.0, -2.0, -3.0], []],
             "refeed_logprobs": [[-1.0, -2.5, -3.0], []],
         }
     )
     gaps = token_gaps(mismatch, pl.DataFrame({"pivot_id": ["a", "b"], "prefix_len": [10, 5]}))
     assert gaps["keys"].to_list() == [7, 8, 9]
+    assert gaps["step"].to_list() == [1, 2, 3]  # a prompt of 10 - 4 tokens: position 7 is the response's token 1
     assert gaps["pivot_id"].to_list() == ["a"] * 3
     positions = position_agreement(gaps)
     assert positions["equal_share"].to_list() == [1.0, 0.0, 1.0]
     assert positions["token_mult_prob_error"][1] == pytest.approx(np.exp(0.5))
+
+
+def test_each_token_knows_how_many_sequences_its_decode_step_ran():
+    """A batch's rollouts decode together until each ends: at step s, those whose responses are longer than s."""
+    decode = pl.DataFrame(
+        {
+            "problem_id": ["p", "p", "p", "q"],
+            "rollout": [0, 1, 2, 0],
+            "batch": [0, 0, 0, 1],
+            "response_len": [3, 5, 10, 4],
+        }
+    )
+    mismatch = pl.DataFrame({"pivot_id": ["p/r2@9", "q/r0@3"], "problem_id": ["p", "q"], "rollout": [2, 0]})
+    gaps = pl.DataFrame({"pivot_id": ["p/r2@9"] * 4 + ["q/r0@3"], "step": [2, 3, 4, 5, 2]})
+    assert with_decode_rows(gaps, mismatch, decode)["rows"].to_list() == [3, 2, 2, 1, 1]
 
 
 def test_change_point_finds_a_kernel_switch():
@@ -130,6 +149,11 @@ def test_change_point_finds_a_kernel_switch():
     assert point["keys"] == 129
     assert point["share_below"] == pytest.approx(1.0) and point["share_above"] == pytest.approx(0.1)
     assert point["tokens_below"] == 1280
+    assert point["spread"] == pytest.approx(0.1 * 0.9 * 1720 / 3000)  # the part above, 172 positions of 10 tokens
+    blurred = change_point(keys, np.full(300, 10), np.where(keys < 100, 1.0, np.where(keys < 160, 0.5, 0.1)))
+    assert blurred["spread"] > point["spread"]  # the sharper switch has the lower spread
+    by_step = change_point(keys, np.full(300, 10), share, name="step")
+    assert by_step["step"] == 129 and "keys" not in by_step
     assert change_point(np.array([5]), np.array([1]), np.array([1.0]))["keys"] is None
     flat = change_point(keys, np.full(300, 10), np.where(keys < 129, 1.0, 0.95))
     assert flat["keys"] is None and flat["tokens_below"] == 3000  # no step: nothing to name
@@ -200,6 +224,9 @@ def test_the_regime_probe_runs_through_its_target_and_keeps_its_rows(tiny_regime
         summary["change_point"]["tokens_below"] + summary["change_point"]["tokens_above"]
         == (summary["prefix"]["tokens"])
     )
+    decode = read_parquet(results / "decode.parquet")
+    assert decode.select("batch", "rollout").rows() == [(0, 0)] and decode["response_len"][0] > 0
+    assert "change_point_by_rows" in summary and "change_point_by_step" in summary
     report = (tiny_regime / "results" / "regime" / "all" / "regime.md").read_text()
     assert "## tiny" in report and "token_mult_prob_error" in report
 
@@ -284,3 +311,49 @@ def test_the_statistics_do_not_depend_on_the_thread_count():
     single = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, check=True)
     here = [recompute(Path(args[0])), folder_mechanism(Path(args[1]), args[2])]
     assert json.loads(single.stdout) == json.loads(json.dumps(here))
+
+
+def test_a_factor_is_set_against_the_base_probe_on_the_same_problems():
+    """The batch-32 probe against the campaign's own: the same first problems, another decode batch. Its effect on
+    the re-fed first step's agreement is read on the same problem resamples as the base's; the base against itself
+    replays every row bit for bit and moves nothing."""
+    probes = {name: folder_probe(LEASE / name) for name in ("qwen-1.5b", "qwen-1.5b-batch32")}
+    base, batch32 = factor_rows({"self": probes["qwen-1.5b"], **probes}, "qwen-1.5b")[1:]
+    assert base["base"] and base["against_base"] is None and "effect" not in base["refeed"]
+    refeed = batch32["refeed"]
+    assert refeed["base_share"] == base["refeed"]["share"]
+    assert refeed["effect"] == pytest.approx(refeed["share"] - refeed["base_share"])
+    assert refeed["effect_ci_lo"] <= refeed["effect"] <= refeed["effect_ci_hi"] < 0
+    assert 0 < batch32["against_base"]["pivots_shared"] < 1 and not batch32["against_base"]["identical"]
+    itself = factor_rows({"a": probes["qwen-1.5b"], "b": probes["qwen-1.5b"]}, "a")[1]
+    assert itself["against_base"]["identical"] and itself["against_base"]["pivots_shared"] == 1.0
+    assert itself["refeed"]["effect"] == itself["refeed"]["effect_ci_lo"] == itself["refeed"]["effect_ci_hi"] == 0.0
+    assert {row["share"] for row in itself["against_base"]["rows_bitwise_equal"].values()} == {1.0}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["a=LEASE/qwen-1.5b", "a=LEASE/qwen-0.5b"], "given twice: a"),
+        (["a=LEASE/qwen-1.5b", "b=LEASE/qwen-0.5b", "--base", "c"], "--base 'c' names none"),
+        (["a=LEASE/none"], "is not NAME=FOLDER"),
+        (["LEASE/qwen-1.5b"], "is not NAME=FOLDER"),
+    ],
+)
+def test_the_factor_command_names_what_it_cannot_use(args, message, tmp_path, capsys):
+    args = [a.replace("LEASE", str(LEASE)) for a in args]
+    if "--base" not in args:
+        args += ["--base", "a"]
+    assert main(["factors", *args, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("table", ["factors-1.5b", "factors-0.5b"])
+def test_the_committed_factor_tables_recompute_from_their_probes(table, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # the tables name the probe folders as the command was given them
+    committed = read_json(LEASE / table / "factors.json")
+    named = [f"{row['probe']}={row['folder']}" for row in committed]
+    base = next(row["probe"] for row in committed if row["base"])
+    assert main(["factors", *named, "--base", base, "--out", str(tmp_path)]) == 0
+    assert read_json(tmp_path / "factors.json") == committed
+    assert (tmp_path / "factors.md").read_text() == (LEASE / table / "factors.md").read_text()

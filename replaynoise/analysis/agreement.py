@@ -55,6 +55,13 @@ DEFINITIONS = {
     "change_point": "the key count that best splits the positions into an equal-more-often part below and an "
     "equal-less-often part above (least squares over two constant shares, positions weighted by their tokens); "
     f"none where the two shares differ by less than {MIN_STEP}",
+    "change_point_by_step": "the same split over the rollout's decode steps (a token's index in the response) "
+    "instead of keys: a switch that follows the decode batch, which shrinks as rows finish, is sharper by step; one "
+    "that follows an attention kernel's tile is sharper by keys",
+    "change_point_by_rows": "the same split over how many sequences the decode step that sampled the token ran (a "
+    "probe's rows only, which keep each rollout's batch and length): where a decode GEMM's rows part from a prefill's",
+    "spread": "the split's binomial sum of squares per token, sum of n p (1 - p) over its two parts over all tokens: "
+    "the lower, the sharper",
 }
 
 
@@ -112,11 +119,11 @@ def pivot_agreement(steps: pl.DataFrame, reference: str = REFERENCE_PASS) -> pl.
 
 # --------------------------------------------------------------------------------------------- positions
 def token_gaps(mismatch: pl.DataFrame, lengths: pl.DataFrame) -> pl.DataFrame:
-    """One row per pass, pivot and re-fed prefix token: its absolute position (the keys its step attended) and its
-    decode-time and re-fed log-probs. The tokens of a pivot's prefix are the last ``len(decode_logprobs)`` before its
-    ``prefix_len`` (``lengths``: one row per pivot, ``pivot_id`` and ``prefix_len``); pivots with no scored token
-    are left out."""
-    frame = mismatch.select("pass", "pivot_id", "decode_logprobs", "refeed_logprobs").filter(
+    """One row per pass, pivot and re-fed prefix token: its absolute position (the keys its step attended), the
+    rollout's decode step that sampled it (its index in the response) and its decode-time and re-fed log-probs. The
+    tokens of a pivot's prefix are the last ``len(decode_logprobs)`` before its ``prefix_len`` (``lengths``: one row
+    per pivot, ``pivot_id`` and ``prefix_len``); pivots with no scored token are left out."""
+    frame = mismatch.select("pass", "pivot_id", "t", "decode_logprobs", "refeed_logprobs").filter(
         pl.col("decode_logprobs").list.len() > 0
     )
     frame = frame.join(lengths.select("pivot_id", "prefix_len"), on="pivot_id", how="inner")
@@ -127,9 +134,27 @@ def token_gaps(mismatch: pl.DataFrame, lengths: pl.DataFrame) -> pl.DataFrame:
         "pass",
         "pivot_id",
         pl.col("keys").cast(pl.Int64),
+        (pl.col("keys") - pl.col("prefix_len") + pl.col("t")).cast(pl.Int64).alias("step"),
         pl.col("decode_logprobs").alias("decode"),
         pl.col("refeed_logprobs").alias("refeed"),
     )
+
+
+def with_decode_rows(gaps: pl.DataFrame, mismatch: pl.DataFrame, decode: pl.DataFrame) -> pl.DataFrame:
+    """``gaps`` with ``rows``: how many sequences the decode step that sampled each token ran, its batch's rollouts
+    whose responses reach past that step (``decode``: per rollout its batch and response length). A decode step's
+    GEMMs have that many rows; a prefill's have its tokens."""
+    owner = mismatch.select("pivot_id", "problem_id", "rollout").unique("pivot_id")
+    frame = gaps.join(owner, on="pivot_id", how="left").join(
+        decode.select("problem_id", "rollout", "batch"), on=["problem_id", "rollout"], how="left"
+    )
+    rows = np.zeros(frame.height, dtype=np.int64)
+    batch, step = frame["batch"].to_numpy(), frame["step"].to_numpy()
+    for b, lengths in decode.group_by("batch").agg(pl.col("response_len")).iter_rows():
+        at = batch == b
+        ends = np.sort(np.asarray(lengths, dtype=np.int64))
+        rows[at] = ends.size - np.searchsorted(ends, step[at], side="right")
+    return frame.drop("problem_id", "rollout", "batch").with_columns(rows=pl.Series(rows))
 
 
 def gap_stats(gaps: pl.DataFrame, by: Sequence[str] = ()) -> pl.DataFrame:
@@ -162,13 +187,16 @@ def position_agreement(gaps: pl.DataFrame) -> pl.DataFrame:
     return gap_stats(gaps, ["pass", "keys"])
 
 
-def change_point(keys: np.ndarray, tokens: np.ndarray, equal_share: np.ndarray) -> dict[str, Any]:
-    """The key count where bitwise equality changes most (``DEFINITIONS['change_point']``): the split of the ordered
-    positions that minimises the two parts' binomial sums of squares, with each part's share and tokens."""
+def change_point(keys: np.ndarray, tokens: np.ndarray, equal_share: np.ndarray, name: str = "keys") -> dict[str, Any]:
+    """The key count (or, by ``name``, other ordered position) where bitwise equality changes most
+    (``DEFINITIONS['change_point']``): the split of the ordered positions that minimises the two parts' binomial sums
+    of squares, with each part's share and tokens, and ``spread``, that sum per token: the lower, the sharper the
+    switch, which tells a switch by keys (an attention kernel's tile) from one by decode step (the batch a step
+    decoded, which shrinks as rows finish)."""
     order = np.argsort(keys)
     keys, n = np.asarray(keys)[order], np.asarray(tokens, dtype=np.float64)[order]
     e = np.asarray(equal_share, dtype=np.float64)[order] * n
-    out: dict[str, Any] = {"keys": None, "share_below": None, "share_above": None, "tokens_below": 0, "tokens_above": 0}
+    out: dict[str, Any] = {name: None, "share_below": None, "share_above": None, "tokens_below": 0, "tokens_above": 0}
     if keys.size < 2:
         return out
     n_lo, e_lo = np.cumsum(n)[:-1], np.cumsum(e)[:-1]
@@ -180,11 +208,12 @@ def change_point(keys: np.ndarray, tokens: np.ndarray, equal_share: np.ndarray) 
         share = json_number(e.sum() / n.sum())
         return {**out, "share_below": share, "share_above": share, "tokens_below": int(n.sum())}
     return {
-        "keys": int(keys[best + 1]),
+        name: int(keys[best + 1]),
         "share_below": json_number(below),
         "share_above": json_number(above),
         "tokens_below": int(n_lo[best]),
         "tokens_above": int(n_hi[best]),
+        "spread": json_number(float(sse[best] / n.sum())),
     }
 
 
@@ -267,5 +296,11 @@ def regime_stats(agreement: pl.DataFrame | None, gaps: pl.DataFrame | None) -> d
         out["change_point"] = change_point(
             positions["keys"].to_numpy(), positions["tokens"].to_numpy(), positions["equal_share"].to_numpy()
         )
+        for column in ("step", "rows"):
+            if column in refeed_gaps.columns:
+                by = gap_stats(refeed_gaps, [column])
+                out[f"change_point_by_{column}"] = change_point(
+                    by[column].to_numpy(), by["tokens"].to_numpy(), by["equal_share"].to_numpy(), name=column
+                )
         out["by_keys"] = positions.drop("pass").to_dicts()
     return out

@@ -11,7 +11,6 @@ decode a prefix as its tokens' bytes read as UTF-8, so their offsets come from o
 from __future__ import annotations
 
 import codecs
-import weakref
 from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
@@ -28,7 +27,9 @@ def char_offsets(tokenizer: Any, ids: list[int]) -> list[int]:
 #: GPT-2's byte-level alphabet (tokenizers' ByteLevel): the character that stands for each byte -> the byte.
 _SELF = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
 _BYTE_OF = {chr(b): b for b in _SELF} | {chr(256 + n): b for n, b in enumerate(sorted({*range(256)} - {*_SELF}))}
-_TOKEN_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> {id: bytes}: saves time only
+#: id(backend) -> (backend, {id: bytes}): saves time only. Keyed by id, the backend held so that its id stays its own:
+#: some ``tokenizers`` releases' Tokenizer takes no weak reference.
+_TOKEN_BYTES: dict[int, tuple[BackendTokenizer, dict[int, bytes]]] = {}
 #: transformers' decode and _decode (5.x), which do nothing but the backend's decode and, when it is on, the clean-up.
 _PLAIN = ["transformers:PreTrainedTokenizerBase.decode", "transformers:TokenizersBackend._decode"]
 
@@ -49,7 +50,7 @@ def token_offsets(tokenizer: Any, ids: list[int], text: str) -> list[int]:
     it holds back read alone. ``char_offsets`` itself where not, or where ``text`` (``decode(ids)``) disagrees."""
     if (backend := byte_level_backend(tokenizer)) is None:
         return char_offsets(tokenizer, ids)
-    known = _TOKEN_BYTES.setdefault(backend, {})
+    known = _TOKEN_BYTES.setdefault(id(backend), (backend, {}))[1]
     decoder, given, parts, offsets = codecs.getincrementaldecoder("utf-8")("replace"), 0, [], [0]
     for i in ids:
         if i not in known and (token := backend.id_to_token(i)) is not None:  # no token: decode skips the id

@@ -63,18 +63,34 @@ class ProbeJob:
 
 @dataclass(frozen=True)
 class ProbeRun:
-    """A probe's rows: the rollouts, the pivots and each pass's replayed rows, and seconds per phase."""
+    """A probe's rows: the rollouts, the pivots and each pass's replayed rows, seconds per phase, and per rollout its
+    generation batch and response length (``decode``), from which the rows each decode step ran follow."""
 
     rollouts: pl.DataFrame
     pivots: pl.DataFrame
     passes: dict[str, pl.DataFrame]
     seconds: dict[str, float]
+    decode: pl.DataFrame
 
 
 def probe_rules(pivots: Mapping[str, Any], block_size: int, size: RegimeSettings) -> PivotRules:
     """The campaign's pivot rules, choosing ``size.pivots`` a rollout at random among its candidates: the
     earliest (the paper's choice) would leave the long prefixes, where engines part, unprobed."""
     return replace(PivotRules.from_config(dict(pivots), block_size), per_rollout=size.pivots, choose="random")
+
+
+def decode_batches(frame: pl.DataFrame, per_problem: int, batch_size: int) -> pl.DataFrame:
+    """Per rollout: the generation batch it was decoded in (``rollouts.rollout_batches`` over the problems in the
+    order generated) and its response length: a batch's rollouts decode together until each one ends."""
+    ids = frame["problem_id"].unique(maintain_order=True).to_list()
+    batches = rollouts.rollout_batches(ids, per_problem, batch_size)
+    batch_of = {pid: b for b, batch in enumerate(batches) for pid in batch}
+    return frame.select(
+        "problem_id",
+        "rollout",
+        pl.col("problem_id").replace_strict(batch_of, return_dtype=pl.Int64).alias("batch"),
+        pl.col("response_ids").list.len().cast(pl.Int64).alias("response_len"),
+    ).sort("batch", "problem_id", "rollout")
 
 
 def run_probe(
@@ -104,6 +120,7 @@ def run_probe(
         context=context,
     )
     seconds["rollouts"] = time.perf_counter() - start
+    decode = decode_batches(frame, rollout_job.rollouts.per_problem, rollout_job.rollouts.batch_size)
     pivots = select_pivots(frame, rules, seed=job.seed, config_name=job.config_name)
     one_step = {**job.replay, "k": 1, "max_new_tokens": 1, "probe_tokens": 0}
     passes = {}
@@ -119,4 +136,4 @@ def run_probe(
         # the rollouts' kv_file are paths here (in the workflow, names that the KV index locates)
         passes[name] = replay.run_pass(engine, pivots, frame, pass_job, work_dir=work_dir / name, context=context)
         seconds[name] = time.perf_counter() - start
-    return ProbeRun(frame, pivots, passes, seconds)
+    return ProbeRun(frame, pivots, passes, seconds, decode)

@@ -8,7 +8,7 @@ kernel switch shows as a step on the left and the excess rising past it on the r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +185,55 @@ def write_table(
         table.write_csv(tmp, float_precision=6)
     with atomic_path(md_path) as tmp:
         Path(tmp).write_text((heading + "\n\n" if heading else "") + markdown(summaries, sources))
+
+
+# --------------------------------------------------------------------------------------------- factors
+def _percent(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _share(stat: Mapping[str, Any]) -> str:
+    if stat.get("share") is None:
+        return "-"
+    return f"{_percent(stat['share'])} [{_percent(stat.get('ci_lo'))}, {_percent(stat.get('ci_hi'))}]"
+
+
+def _effect(stat: Mapping[str, Any]) -> str:
+    if stat.get("effect") is None:
+        return "-"
+    lo, hi = stat.get("effect_ci_lo"), stat.get("effect_ci_hi")
+    bounds = "" if lo is None or hi is None else f" [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+    return f"{100 * stat['effect']:+.1f}{bounds}"
+
+
+def _point(point: Mapping[str, Any], name: str) -> str:
+    """A change point as a cell: where, and the shares either side; none where the shares do not part."""
+    if point.get(name) is not None:
+        return f"{point[name]}; {_percent(point['share_below'])} / {_percent(point['share_above'])}"
+    return "none" if point.get("share_below") is not None else "-"
+
+
+def factors_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The factor experiment as one table: each probe's first-step agreement with exact (re-feed, replica) with its
+    interval and its effect in points against the base probe, the change point, NeMo-RL's error, and whether it
+    replayed the base's rows (problems and pivots shared; exact and re-feed rows bitwise equal)."""
+    head = (
+        "| probe | re-feed first step = exact [95% CI] | effect pp [CI] | replica = exact | effect pp [CI] | "
+        "change point (keys; below / above) | by decode step | token_mult_prob_error | base's problems / pivots "
+        "replayed | exact rows = base's | re-feed rows = base's |"
+    )
+    lines = [head, "|" + "---|" * 11]
+    for row in rows:
+        point, prefix, same = row.get("change_point") or {}, row.get("prefix") or {}, row.get("against_base") or {}
+        change, by_step = _point(point, "keys"), _point(row.get("change_point_by_step") or {}, "step")
+        tmpe = prefix.get("token_mult_prob_error")
+        equal = same.get("rows_bitwise_equal") or {}
+        lines.append(
+            f"| {row['probe']}{' (base)' if row['base'] else ''} | {_share(row['refeed'])} | {_effect(row['refeed'])} "
+            f"| {_share(row['replica'])} | {_effect(row['replica'])} | {change} | {by_step} | "
+            f"{'-' if tmpe is None else f'{tmpe:.4f}'} | {_percent(same.get('problems_shared'))} / "
+            f"{_percent(same.get('pivots_shared'))} | "
+            f"{_percent((equal.get('exact') or {}).get('share'))} | "
+            f"{_percent((equal.get('refeed') or {}).get('share'))} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -9,6 +9,7 @@ rule regime_probe:
         summary=regime_file("{config}", "probe.json"),
         steps=regime_file("{config}", "first_steps.parquet"),
         mismatch=regime_file("{config}", "mismatch.parquet"),
+        decode=regime_file("{config}", "decode.parquet"),
     log:
         f"{LOGS}/regime_probe/{{config}}.log",
     benchmark:

@@ -46,5 +46,6 @@ summary = {"config": snakemake.wildcards.config, "settings": s, "size": p.size, 
 print("\n".join(verdict(summary)), file=sys.stderr)
 write_parquet(steps, out.steps)
 write_parquet(mismatch, out.mismatch)
+write_parquet(run.decode, out.decode)
 write_json(summary, out.summary)
 remove_scratch(p.work)

@@ -206,4 +206,11 @@ def checked_pool(info: dict, settings: dict, page_size: int) -> int:
             "jobs on the GPU at once"
         )
     log.info("SGLang's KV pool: %d tokens", pool)
+    if asked is None:
+        log.warning(
+            "SGLang sized its KV pool (%d tokens) from the GPU memory free at this job's start: the requests it "
+            "admits together, so the batches and the numbers, then depend on what else ran on the GPU; "
+            "sglang.max_total_tokens pins it",
+            pool,
+        )
     return pool
