@@ -14,7 +14,9 @@ FILES = sorted(
     for p in [ROOT / "Snakefile", *(ROOT / "replaynoise").rglob("*"), *(ROOT / "workflow").rglob("*")]
     if p.suffix in {"", ".py", ".smk", ".rst", ".yaml"} and p.is_file() and "__pycache__" not in p.parts
 )
-HISTORY = re.compile(r"\b(issues?|PR|pull request) ?#?\d+|\bleas(e|es|ed)\b", re.IGNORECASE)
+HISTORY = re.compile(
+    r"\b(issues?|PR|pull request) ?#?\d+|\bleas(e|es|ed)\b|\bonce (crashed|failed|broke)\b", re.IGNORECASE
+)
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 
 
@@ -30,7 +32,9 @@ def history(text: str) -> list[str]:
 
 
 def test_the_check_finds_each_kind_of_history():
-    assert history("# fixed in issue 55\n# the 1.5B lease\nx = 1  # run on 2026-12-07\n")
+    stories = ("# fixed in issue 55", "# the 1.5B lease", "x = 1  # run on 2026-12-07", "# this once crashed it")
+    for line in stories:
+        assert history(line), line
     assert not history("# see benchmarks/results/fa3-attention-2026-12-07/ for the timings\n# the release\n")
 
 
