@@ -6,9 +6,6 @@ min_version("9.0")
 configfile: f"{workflow.basedir}/config/config.yaml"
 
 
-report: "workflow/report/workflow.rst"
-
-
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/models.smk"
@@ -25,6 +22,10 @@ include: "workflow/rules/cost.smk"
 include: "workflow/rules/regime.smk"
 
 
+# The report opens on the run's answer once the manifest step has written it (results/report.rst).
+report: report_page()
+
+
 # Every output of every rule in the plan is a target, intermediates included: a file deleted between runs (a
 # --forcerun interrupted after Snakemake deleted the step's output) is rebuilt by the next plain run, where
 # Snakemake would keep a missing intermediate whose downstream files still exist.
@@ -34,6 +35,7 @@ rule all:
         manifest_inputs,
         MANIFEST,
         PROVENANCE,
+        LANDING,
         cost_file("md"),
         cost_file("csv"),
     localrule: True
@@ -61,11 +63,12 @@ onstart:
 onsuccess:
     if Path(table_file("headline", "csv")).is_file():
         try:  # a courtesy: a table it cannot read (an older layout) must not fail a run that succeeded
-            print(run_summary(table_file("headline", "csv"), config["figures"]["conditioning"]))
+            on_cpu = all(str(c.get("device", "cpu")).startswith("cpu") for c in config["configs"].values())
+            print(run_summary(table_file("headline", "csv"), config["figures"]["conditioning"], cpu=on_cpu))
         except Exception as exc:
             print(f"(no summary: {table_file('headline', 'csv')} could not be read: {exc})")
         print(
             "Tables: results/tables/headline.{md,csv,tex}; figures: results/figures/; every file's sha256: "
-            "results/MANIFEST.sha256; the report with every figure and table: snakemake --report "
+            "results/MANIFEST.sha256; the report, which opens on these rows: snakemake --report "
             "results/report.html"
         )

@@ -11,7 +11,7 @@
 # OUT_DIR/ladder-<file>.tgz (its reference folder; ladder-<file>.partial.tgz with what finished, where it did not).
 #   bash benchmarks/h200-ladder.sh OUT_DIR LIMIT_S small|large|large-stock
 # Run it from a copy of the project outside the call's working tree (a lent machine lays that tree anew at every
-# call), staged as docs/vllm.md says, with an OUT_DIR other than the lent machine's $OUT (/root/out there, emptied at
+# call), staged as reference/gpu-vllm/README.md says, with an OUT_DIR other than the lent machine's $OUT (/root/out there, emptied at
 # the start of every call); rerun with the same arguments to resume, or to pack a finished run's archives again.
 set -uo pipefail
 out=$(realpath -m "$1") limit=$2 pair=$3  # OUT_DIR as the caller named it, before the cd below

@@ -136,7 +136,7 @@ def _fill_engine_settings(schema: dict, config: dict, as_given: dict) -> None:
     (``engines.registry``: a vllm configuration's ``vllm`` block, an sglang one's ``sglang`` block, every key its
     schema default) and ``replay.serial_pivots`` where the serial pass runs. Filling them everywhere would change the
     settings, and so the analysis hash and the rerun triggers, of every configuration that does not use them. A
-    block of another engine is refused, whatever it holds (a tensor_parallel_size of "2" once crashed the parse).
+    block of another engine is refused, whatever it holds.
     ``as_given`` is the configuration before the schema's defaults were filled in: a derived default (eager, by
     device and kernels) must tell a value the user gave from a filled one."""
     blocks = schema["properties"]["configs"]["additionalProperties"]["properties"]

@@ -1,4 +1,4 @@
-"""Partial reference folders: what a run cut short by its lease finished, kept as a folder of its own.
+"""Partial reference folders: what a run cut short by its time limit finished, kept as a folder of its own.
 
 `python -m replaynoise.reference partial RESULTS CAMPAIGN FOLDER` copies the per-pivot credit tables, pivots,
 problems, logs and timings, compares exact with the whole pairs of draws that finished (exact with replica draw r and

@@ -7,6 +7,7 @@ of ``replaynoise.io``.
 from __future__ import annotations
 
 import ast
+import copy
 import functools
 import hashlib
 import os
@@ -16,8 +17,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from replaynoise.config import _fill_defaults, _fill_engine_settings, deviations, load_schema
 from replaynoise.config import analysis_hash as config_hash
-from replaynoise.config import deviations
 from replaynoise.fingerprint import environment_fingerprint, nvidia_driver
 from replaynoise.io import read_json, read_manifest, sha256_file, write_text
 
@@ -306,3 +307,23 @@ def source_digest(script: str | os.PathLike, root: str | os.PathLike) -> str:
     for path in import_closure(script, root):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+#: the keys that say what a configuration is, shown whether or not they are the schema's defaults
+IDENTITY = ("model", "engine", "dtype", "device", "kernels")
+
+
+def configuration_differences(config: dict) -> dict[str, dict[str, Any]]:
+    """Per configuration of a validated config, its ``IDENTITY`` keys and every key (dotted inside a block) whose
+    value differs from what the schema fills in for a configuration of the same model, engine and device."""
+    schema = load_schema()
+    found: dict[str, dict[str, Any]] = {}
+    for name, settings in config["configs"].items():
+        bare = {"configs": {name: {k: settings[k] for k in ("model", "engine", "device") if k in settings}}}
+        filled = _fill_defaults(schema, copy.deepcopy(bare))
+        _fill_engine_settings(schema, filled, bare)
+        prefix = f"configs.{name}."
+        differing = deviations({"configs": {name: settings}}, defaults={"configs": filled["configs"]})
+        found[name] = {k: settings[k] for k in IDENTITY if k in settings}
+        found[name].update((d["key"].removeprefix(prefix), d["value"]) for d in differing)
+    return found

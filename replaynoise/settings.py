@@ -164,8 +164,7 @@ class RolloutSettings:
 
 #: the least share of exact's pivots that must resume a verified decode-time state where ``analysis.min_verified``
 #: is absent: exact's pivots that miss it are left out of every comparison, and where more than 1% miss it the
-#: loss is more likely the replay failing than a sample of pivots (the vLLM and SGLang 1.5B runs verified 99.1% and
-#: 99.45%)
+#: loss is more likely the replay failing than a sample of pivots
 MIN_VERIFIED = 0.99
 
 

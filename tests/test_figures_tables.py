@@ -276,8 +276,13 @@ def test_run_summary_prints_the_main_rows_with_numbers_or_the_analysis_note(tmp_
     assert lines[3].split() == ["a", "466", "(108)", "23.0", "0.0", "+23.0", "[+18.2,", "+27.6]", "8.14"]
     assert lines[4].split() == ["b", "4", "(2)", "n/a", "n/a", "n/a", "n/a"]
     assert lines[5] == "  b: too few eligible pivots (n=4 < min_eligible=10)"
-    assert "excludes 0 means re-feeding moved credit" in lines[6] and "replay.replicates: 3" in lines[7]
-    assert len(lines) == 8
+    # one sentence per row of what it means: one draw per pass resolves nothing; a row without numbers says why
+    assert lines[6].startswith("  a: the interval over problems excludes 0") and "not resolved" in lines[6]
+    assert lines[7] == "  b: no interval (too few eligible pivots (n=4 < min_eligible=10))."
+    assert "excludes 0 means re-feeding moved credit" in lines[8] and "replay.replicates: 3" in lines[9]
+    assert len(lines) == 10
+    # on CPU it adds that a run this small demonstrates the measurement and may include zero
+    assert "may include 0 on some CPUs" in run_summary(path, "main", cpu=True).splitlines()[-1]
     # a replicated run: the pairs and whether the crossed interval excludes zero
     path.write_text(
         "# analysis_hash: x\nconfig,conditioning,metric,n,n_problems,refeed_disagreement,floor,excess_pp,"
@@ -286,4 +291,5 @@ def test_run_summary_prints_the_main_rows_with_numbers_or_the_analysis_note(tmp_
     )
     lines = run_summary(path, "main").splitlines()
     assert lines[1].split()[-2:] == ["pairs", "resolved"] and lines[3].split()[-2:] == ["3", "no"]
-    assert "covers the pass-to-pass noise too" in lines[5]
+    assert "includes 0: no excess is resolved" in lines[4]
+    assert "covers the pass-to-pass noise too" in lines[6]

@@ -107,7 +107,7 @@ LAYERS = [
     ["analysis.comparison", "analysis.controls", "analysis.factors"],
     ["analysis.pooling", "analysis.cross_scoring", "analysis.runs", "analysis.mechanism"],
     ["report.summary", "report.cost", "report.drawing", "report.headline", "report.contrasts", "report.combined"],
-    ["report.tables", "report.figures", "report.mechanism"],
+    ["report.tables", "report.figures", "report.mechanism", "report.landing"],
     ["report.credit_figures"],
     ["report.plots"],
     ["report.controls", "report.training"],

@@ -1,7 +1,7 @@
 """Runs of one campaign combined: an interval for the excess over problems, pass draws and runs, with the run-level SD.
 
 Within one run the crossed interval (``replicated``) covers the problems and the pass draws, but every draw of a run
-shares its card, lease, load and engine state, so a shift common to the whole run is read as part of the effect.
+shares its card, host, load and engine state, so a shift common to the whole run is read as part of the effect.
 Runs of one campaign share their problems (their pivots, rollouts and pairs of draws need not match), so the run is a
 factor crossed with the problems:
 

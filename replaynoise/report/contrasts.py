@@ -79,7 +79,7 @@ def contrast_lines(first: Path, second: Path) -> list[str]:
         "(crossed model, docs/method.md section 4). The difference's interval is Welch-Satterthwaite: it takes the two",
         "runs as independent, although runs over one problem list share their problems (a joint model would let the",
         "problems' excesses correlate across the runs). Each side is a single run: its interval covers its problems",
-        "and pass draws, not a shift shared by every draw of the run (card, lease, load), so the difference is one run",
+        "and pass draws, not a shift shared by every draw of the run (card, host, load), so the difference is one run",
         "against one run (`python -m replaynoise.reference combine` gives the interval over several runs).",
         "",
         "| conditioning | first: excess pp (pairs, problems) | second: excess pp (pairs, problems) "

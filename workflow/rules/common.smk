@@ -170,6 +170,17 @@ def user_inputs():
 # A wildcard is passed as its pattern ("{config}"); a value gives the concrete file.
 MANIFEST = "results/MANIFEST.sha256"
 PROVENANCE = "results/provenance.json"
+#: the report's first page, written with the manifest: each configuration's main row and the settings
+LANDING = "results/report.rst"
+#: the first page before a run has written its own
+STATIC_LANDING = "workflow/report/workflow.rst"
+
+
+def report_page():
+    """The report's first page: the run's own where it has written one (absolute, since Snakemake joins a report
+    path to the Snakefile's folder), else the static introduction."""
+    landing = Path(LANDING)
+    return str(landing.resolve()) if landing.is_file() else STATIC_LANDING
 
 
 def problems_file(dataset=None):

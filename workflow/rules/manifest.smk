@@ -4,6 +4,7 @@ rule manifest:
     output:
         manifest=MANIFEST,
         provenance=PROVENANCE,
+        landing=LANDING,
     log:
         f"{LOGS}/manifest.log",
     localrule: True
@@ -18,6 +19,9 @@ rule manifest:
         repo=workflow.basedir,
         inputs=user_inputs(),
         read=[dataset_read_file()] if config["dataset"]["source"] == "file" else [],
+        headline=table_file("headline", "csv"),
+        conditioning=config["figures"]["conditioning"],
+        intro=f"{workflow.basedir}/{STATIC_LANDING}",
     script:
         "../scripts/manifest.py"
 

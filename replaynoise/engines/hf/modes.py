@@ -236,7 +236,7 @@ class Static(Dynamic):
             layers = [stacked[:, :, r : r + 1, :, longest - len(p) :] for r, p in enumerate(prompts)]
         with f.phases("load states"):
             # eager layers unless compile_rollouts: compiling costs seconds per batch shape in every job, which a
-            # short decode does not repay (docs/performance.md). No pass needs the rollouts' kernels: exact
+            # short decode does not repay (docs/hf.md). No pass needs the rollouts' kernels: exact
             # resumes from the stored KV, whatever computed it.
             decoder = f.decoder(n, bucket(longest + steps + 1), compiled=self.compile_rollouts)
             decoder.load(

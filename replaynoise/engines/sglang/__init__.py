@@ -1,1 +1,1 @@
-"""The SGLang engine (issue 55): its settings, read with a configuration, and the engine a job builds."""
+"""The SGLang engine: its settings, read with a configuration, and the engine a job builds."""

@@ -95,8 +95,8 @@ def children_import_plugin() -> Iterator[None]:
 
 
 #: what SGLang resolves by GPU and model where the settings leave it open, and which decides a pass's kernels and
-#: batches: logged at every build, since SGLang's own server_args line no longer reaches the job's log
-#: (``logging_kept``), and two leases of one campaign on other cards gave other rates (reference/gpu-sglang/README.md)
+#: batches: logged at every build, since SGLang's own server_args line does not reach the job's log (``logging_kept``)
+#: and one campaign's runs on different cards can differ by what it chose
 RESOLVED = (
     "attention_backend",
     "prefill_attention_backend",
@@ -138,7 +138,7 @@ def checked_server_args(server_args: Any, settings: dict) -> int:
     decode = getattr(getattr(server_args, "cuda_graph_config", None), "decode", None)
     rows = getattr(decode, "max_bs", None)
     if rows is not None and not server_args.disable_cuda_graph:
-        # a pass batch above it decodes without graphs (issue 55's lease: 1,024 rows against SGLang's 256)
+        # a pass batch above it decodes without graphs (a 1,024-row pass batch against SGLang's default of 256)
         log.info(
             "SGLang captures decode CUDA graphs for batches of up to %d rows (sglang.cuda_graph_max_bs_decode); "
             "larger batches decode without them",
@@ -151,9 +151,9 @@ def checked_server_args(server_args: Any, settings: dict) -> int:
 def logging_kept() -> Iterator[None]:
     """While SGLang builds: the logging in place before stays after. SGLang's ``configure_logger`` calls
     ``logging.basicConfig(level=<its log_level>, force=True)`` in the process that builds it, which closes and
-    replaces the root handlers and, at the engine's ``log_level: error``, silenced every later warning of the job
-    (issue 55's 1.5B lease: its logs hold no "unverified" line for the rows they counted unverified). The job's
-    handlers are taken off the root while SGLang builds, so that it has none to close, and put back after."""
+    replaces the root handlers and, at the engine's ``log_level: error``, would silence every later warning of the
+    job. The job's handlers are taken off the root while SGLang builds, so that it has none to close, and put back
+    after."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     for handler in handlers:
@@ -175,11 +175,10 @@ START_LOCK = Path("/tmp/replaynoise-sglang-start.lock")
 
 @contextmanager
 def start_lock(lock_file: Path | None = None) -> Iterator[None]:
-    """Held while SGLang builds: SGLang sizes its KV pool from the memory free at its start and again after its
-    graph capture, so two engines building at once on one GPU each see the other half-built (issue 55's first lease:
-    three jobs at once, "no GPU memory for the KV cache"). One at a time, each sees the others settled. An OS lock
-    (flock) on a descriptor opened read-only, so that another user's lock file serves too and a job that dies
-    releases it (``lock_file``: ``START_LOCK`` unless given)."""
+    """Held while SGLang builds, one build at a time: SGLang sizes its KV pool from the memory free at its start and
+    after its graph capture, so two engines building at once on one GPU would each see the other half-built. An OS
+    lock (flock) on a descriptor opened read-only, so that another user's lock file serves too and a dead job releases
+    it."""
     fd = os.open(lock_file or START_LOCK, os.O_RDONLY | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

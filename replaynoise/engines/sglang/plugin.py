@@ -4,12 +4,12 @@ included. Each of them imports this module first (the engine names it their main
 entry point (group ``sglang.srt.plugins``, pyproject.toml); registered twice, the hook acts once.
 
 SGLang 0.5.16 builds a batch's per-request ``sampling_seed`` tensor only under ``enable_deterministic_inference``
-(``SamplingBatchInfo.from_schedule_batch``); otherwise every draw comes from the scheduler's one generator, so a
-rollout cannot be regenerated and two passes share no random numbers (docs/sglang.md, "The obstacle"). Given that
-tensor, its own sampler draws each row by a Gumbel-max hashed from (seed, position, token id), whatever the kernels:
-this plugin builds the tensor in stock mode too, and touches nothing else (the model's kernels stay stock). It acts
-only where the engine asks for it (``SEEDED``), so an environment that has replaynoise installed serves others as
-SGLang would.
+(``SamplingBatchInfo.from_schedule_batch``); otherwise every draw comes from the scheduler's one generator, so a rollout
+cannot be regenerated and two passes share no random numbers (reference/gpu-sglang/sglang-source-reading.md, "The
+obstacle"). Given that tensor, its own sampler draws each row by a Gumbel-max hashed from (seed, position, token id),
+whatever the kernels: this plugin builds the tensor in stock mode too, and touches nothing else (the model's kernels
+stay stock). It acts only where the engine asks for it (``SEEDED``), so an environment that has replaynoise installed
+serves others as SGLang would.
 """
 
 from __future__ import annotations
