@@ -33,7 +33,14 @@ from replaynoise.analysis.prefix_mismatch import mismatch_rows
 from replaynoise.generation.passes import replay_draws
 from replaynoise.generation.regime import ProbeRun
 from replaynoise.io import UnreadableFileError, read_json, read_parquet, write_json, write_text
-from replaynoise.report.mechanism import factors_markdown, markdown, plot_mechanism, write_table
+from replaynoise.report.mechanism import (
+    factors_markdown,
+    markdown,
+    percent,
+    plot_mechanism,
+    point_cell,
+    write_table,
+)
 from replaynoise.vouching import check_destination, require_intact
 
 
@@ -214,10 +221,6 @@ def campaign_side(reference: Path) -> dict[str, Any]:
     return {"configuration": config, **stats, "rates": rates}
 
 
-def _pct(value: Any) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
-
-
 def validation_rows(pairs: Sequence[tuple[Path, Path]]) -> list[dict[str, Any]]:
     """One row per (probe.json, reference folder): the probe's and the campaign's statistics side by side."""
     rows = []
@@ -243,15 +246,13 @@ def validation_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
             excess = (
                 "-" if rates.get("excess_pp") is None else f"{rates['excess_pp']:+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]"
             )
-            if point.get("keys") is not None:
-                change = f"{point['keys']}; {_pct(point['share_below'])} / {_pct(point['share_above'])}"
-            else:
-                change = "none" if point.get("share_below") is not None else "-"
+            change = point_cell(point, "keys")
             tmpe = prefix.get("token_mult_prob_error")
             lines.append(
-                f"| `{row['reference']}` | {side} | {_pct(first.get('all_equal'))} | {_pct(prefix.get('equal_share'))} "
-                f"| {change} | {'-' if tmpe is None else f'{tmpe:.4f}'} | {_pct(rates.get('refeed'))} | "
-                f"{_pct(rates.get('floor'))} | {excess} |"
+                f"| `{row['reference']}` | {side} | {percent(first.get('all_equal'))} | "
+                f"{percent(prefix.get('equal_share'))} "
+                f"| {change} | {'-' if tmpe is None else f'{tmpe:.4f}'} | {percent(rates.get('refeed'))} | "
+                f"{percent(rates.get('floor'))} | {excess} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -188,14 +188,14 @@ def write_table(
 
 
 # --------------------------------------------------------------------------------------------- factors
-def _percent(value: Any) -> str:
+def percent(value: Any) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _share(stat: Mapping[str, Any]) -> str:
     if stat.get("share") is None:
         return "-"
-    return f"{_percent(stat['share'])} [{_percent(stat.get('ci_lo'))}, {_percent(stat.get('ci_hi'))}]"
+    return f"{percent(stat['share'])} [{percent(stat.get('ci_lo'))}, {percent(stat.get('ci_hi'))}]"
 
 
 def _effect(stat: Mapping[str, Any]) -> str:
@@ -206,10 +206,10 @@ def _effect(stat: Mapping[str, Any]) -> str:
     return f"{100 * stat['effect']:+.1f}{bounds}"
 
 
-def _point(point: Mapping[str, Any], name: str) -> str:
+def point_cell(point: Mapping[str, Any], name: str) -> str:
     """A change point as a cell: where, and the shares either side; none where the shares do not part."""
     if point.get(name) is not None:
-        return f"{point[name]}; {_percent(point['share_below'])} / {_percent(point['share_above'])}"
+        return f"{point[name]}; {percent(point['share_below'])} / {percent(point['share_above'])}"
     return "none" if point.get("share_below") is not None else "-"
 
 
@@ -225,15 +225,15 @@ def factors_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = [head, "|" + "---|" * 11]
     for row in rows:
         point, prefix, same = row.get("change_point") or {}, row.get("prefix") or {}, row.get("against_base") or {}
-        change, by_step = _point(point, "keys"), _point(row.get("change_point_by_step") or {}, "step")
+        change, by_step = point_cell(point, "keys"), point_cell(row.get("change_point_by_step") or {}, "step")
         tmpe = prefix.get("token_mult_prob_error")
         equal = same.get("rows_bitwise_equal") or {}
         lines.append(
             f"| {row['probe']}{' (base)' if row['base'] else ''} | {_share(row['refeed'])} | {_effect(row['refeed'])} "
             f"| {_share(row['replica'])} | {_effect(row['replica'])} | {change} | {by_step} | "
-            f"{'-' if tmpe is None else f'{tmpe:.4f}'} | {_percent(same.get('problems_shared'))} / "
-            f"{_percent(same.get('pivots_shared'))} | "
-            f"{_percent((equal.get('exact') or {}).get('share'))} | "
-            f"{_percent((equal.get('refeed') or {}).get('share'))} |"
+            f"{'-' if tmpe is None else f'{tmpe:.4f}'} | {percent(same.get('problems_shared'))} / "
+            f"{percent(same.get('pivots_shared'))} | "
+            f"{percent((equal.get('exact') or {}).get('share'))} | "
+            f"{percent((equal.get('refeed') or {}).get('share'))} |"
         )
     return "\n".join(lines) + "\n"
