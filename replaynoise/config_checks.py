@@ -19,7 +19,7 @@ from replaynoise.data.models import (
 )
 from replaynoise.engines.registry import ENGINES
 from replaynoise.generation.passes import LAYER_PASS, pass_spec, run_passes
-from replaynoise.settings import ConfigError, cross_scoring
+from replaynoise.settings import ConfigError, cross_scoring, replicates
 
 #: Configuration names the workflow uses for its own outputs (results/analysis/pooled, the pooled table rows).
 RESERVED_CONFIG_NAMES = ("pooled",)
@@ -60,6 +60,7 @@ def check_semantics(config: dict) -> None:
     for name, settings in config["configs"].items():
         _check_configuration(name, settings, config)
     _check_passes(config["replay"]["passes"])
+    _check_stop(config["replay"])
     _check_layer_passes(config)
     _check_cross_scoring(config)
 
@@ -219,6 +220,23 @@ def _check_pivots_possible(config: dict) -> None:
                 f"not below the block size {settings['block_size']}, so (prompt + t) mod "
                 f"{settings['block_size']} never equals them and they can give no pivot"
             )
+
+
+def _check_stop(replay: dict) -> None:
+    """``replay.stop`` looks at the run's own pairs: from min_pairs to max_pairs of them, all made."""
+    stop = replay.get("stop")
+    if stop is None:
+        return
+    if stop["min_pairs"] > stop["max_pairs"]:
+        raise ConfigError(
+            f"config key replay.stop.min_pairs: {stop['min_pairs']} is more than max_pairs ({stop['max_pairs']})"
+        )
+    if replicates(replay) != stop["max_pairs"]:
+        raise ConfigError(
+            f"config key replay.stop.max_pairs: {stop['max_pairs']}, but replay.replicates is "
+            f"{replicates(replay)}; the run makes max_pairs pairs and the rule reads them in order, so set "
+            "replicates to max_pairs"
+        )
 
 
 def _check_passes(passes: list[str]) -> None:

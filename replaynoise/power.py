@@ -15,6 +15,10 @@ pilot's own size is given over its interval: at SD 0, at the estimate and at the
 ``--run-sd PP ...`` plans runs too: the power of the interval over problems, pass draws and runs
 (``analysis.runs.plan_runs``) for the mean over K runs, at a run-level SD the pilot cannot give (one run has none;
 ``python -m replaynoise.reference combine`` estimates it from two runs or more, poorly).
+
+``--stop resolved|bounded --max-pairs M`` plans a design that stops when it knows (``analysis.stopping``): per
+excess and number of problems, the pairs it is expected to use and its power, beside the fixed design of M pairs.
+``python -m replaynoise.power stopping FOLDER ...`` replays the rule over finished runs' pairs (``savings``).
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from pathlib import Path
 
 from replaynoise.analysis.replicated import Components, plan
 from replaynoise.analysis.runs import plan_runs
+from replaynoise.analysis.stopping import StopRule, plan_stop
 from replaynoise.io import UnreadableFileError, json_field, read_json
 from replaynoise.report.summary import aligned
+from replaynoise.savings import main as savings_main
 from replaynoise.vouching import require_intact
 
 PROBLEMS = (20, 40, 80, 160, 320)
@@ -161,7 +167,27 @@ def runs_table(
     return "\n".join([head, *aligned(cells, indent="  ")]) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def stop_table(comparison: dict, conditioning: str, excess: list[float], rule: StopRule) -> str:
+    """Per excess and number of problems, the pairs the rule is expected to use and its power, beside the fixed
+    design of max_pairs pairs (``stopping.plan_stop``, with the pilot's components)."""
+    comp = pilot_components(comparison, conditioning)
+    ci = comparison["parameters"]["ci"]
+    cells = [["true excess pp", "problems", "expected pairs", "power", f"fixed {rule.max_pairs} pairs' power"]]
+    for d in excess:
+        for row in plan_stop(comp, d, rule, problems=PROBLEMS, ci=ci):
+            cells.append(
+                [f"{d:+.1f}", str(row["problems"]), f"{row['expected_pairs']:.2f}", f"{row['power']:.2f}"]
+                + [f"{row['fixed_power']:.2f}"]
+            )
+    head = (
+        f"{comparison.get('config')}, {conditioning} conditioning: stop when {rule.when}"
+        + (f" (half-width {rule.half_width_pp:g} pp)" if rule.when == "bounded" else "")
+        + f", pairs {rule.min_pairs} to {rule.max_pairs}"
+    )
+    return "\n".join([head, *aligned(cells, indent="  ")]) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m replaynoise.power", description=__doc__.split("\n")[0])
     ap.add_argument("folder", type=Path, help="a results folder or a reference folder (analysis/<config>/...)")
     ap.add_argument("--config", action="append", help="configuration(s) (default: every one with replicates)")
@@ -169,14 +195,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--excess", type=float, nargs="+", default=[5.0, 10.0, 20.0], help="true excesses, pp")
     ap.add_argument("--runs", type=int, nargs="+", help="plan the mean over this many runs (each >= 2)")
     ap.add_argument("--run-sd", type=float, nargs="+", default=[0.0, 2.8, 5.4, 9.7], help="run-level SDs, pp")
-    args = ap.parse_args(argv)
+    ap.add_argument("--stop", choices=("resolved", "bounded"), help="plan a design that stops when it knows")
+    ap.add_argument("--max-pairs", type=int, default=5, help="with --stop: the most pairs")
+    ap.add_argument("--min-pairs", type=int, default=2, help="with --stop: the first look's pairs")
+    ap.add_argument("--half-width", type=float, default=3.0, help="with --stop bounded: the half-width, pp")
+    return ap
+
+
+def _arguments_refused(args: argparse.Namespace) -> str | None:
+    """Why the numbers given cannot be planned with, or None."""
     bad = [x for x in [*args.excess, *args.run_sd] if not math.isfinite(x)]
     if bad or any(k < 2 for k in args.runs or []):
-        print(
-            f"error: --excess and --run-sd take finite numbers, --runs numbers >= 2 (given {bad or args.runs})",
-            file=sys.stderr,
-        )
+        return f"--excess and --run-sd take finite numbers, --runs numbers >= 2 (given {bad or args.runs})"
+    if args.stop:
+        try:
+            StopRule(args.stop, args.max_pairs, args.min_pairs, args.half_width)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["stopping"]:
+        return savings_main(argv[1:])
+    args = _parser().parse_args(argv)
+    refused = _arguments_refused(args)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
         return 2
+    rule = StopRule(args.stop, args.max_pairs, args.min_pairs, args.half_width) if args.stop else None
     found = sorted(p for p in (args.folder / "analysis").glob("*/comparison.json") if p.parent.name != "pooled")
     if args.config:
         found = [p for p in found if p.parent.name in args.config]
@@ -188,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, UnreadableFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    return 0 if _print_plans(found, args, rule) else 2
+
+
+def _print_plans(found: list[Path], args: argparse.Namespace, rule: StopRule | None) -> int:
+    """Each pilot's tables, a pilot that cannot plan skipped with why; the number printed."""
     printed = 0
     for path in found:
         try:
@@ -198,10 +251,12 @@ def main(argv: list[str] | None = None) -> int:
             print(power_table(comparison, args.conditioning, args.excess))
             if args.runs:
                 print(runs_table(comparison, args.conditioning, args.excess, args.runs, args.run_sd))
+            if rule is not None:
+                print(stop_table(comparison, args.conditioning, args.excess, rule))
             printed += 1
         except (OSError, ValueError, UnreadableFileError) as exc:
             print(f"skipped: {exc}", file=sys.stderr)
-    return 0 if printed else 2
+    return printed
 
 
 if __name__ == "__main__":

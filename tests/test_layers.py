@@ -28,6 +28,7 @@ TOP = {
     "reference",
     "reanalyze",
     "power",
+    "savings",
     "fingerprint",
     "divergence",
     "reproduction",
@@ -104,7 +105,7 @@ LAYERS = [
     ],
     ["analysis.paper_stats"],
     ["analysis.replicated", "analysis.prefix_mismatch", "analysis.probes", "analysis.agreement"],
-    ["analysis.comparison", "analysis.controls", "analysis.factors"],
+    ["analysis.comparison", "analysis.controls", "analysis.factors", "analysis.stopping"],
     ["analysis.pooling", "analysis.cross_scoring", "analysis.runs", "analysis.mechanism"],
     ["report.summary", "report.cost", "report.drawing", "report.headline", "report.contrasts", "report.combined"],
     ["report.tables", "report.figures", "report.mechanism", "report.landing"],
@@ -115,7 +116,7 @@ LAYERS = [
     ["config", "plan", "fingerprint", "vouching"],
     ["machine", "provenance", "snapshots", "paper_records"],
     ["partials", "divergence"],
-    ["reproduction"],
+    ["reproduction", "savings"],
     ["reference", "reanalyze", "power", "regime"],
 ]
 #: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when
