@@ -35,6 +35,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -99,6 +100,14 @@ def channel_data(folders: list[Path]) -> dict[str, tuple[dict, pl.DataFrame]]:
     return data
 
 
+def rebuilt_mismatch(table: Path, credit: dict, result: dict, held: dict, stats: AnalysisSettings) -> dict:
+    """The prefix mismatch summary from a committed table, less the blocks added to it since the run (the
+    frameworks' metrics): a rebuild recomputes what the run's comparison holds."""
+    link: dict[str, Any] = {"metric": stats.metric, "min_eligible": stats.min_eligible, "ci": stats.ci}
+    summary = mismatch_summary(read_parquet(table), credit, result, config=result["config"], **link)
+    return {key: value for key, value in summary.items() if key in (held.get("prefix_mismatch") or summary)}
+
+
 def rebuild(reference: Path, out: Path) -> list[Path]:
     """Recompute ``reference``'s comparisons, headline tables and figures into ``out`` (a results-like tree)
     as the workflow's rules do, from its credit tables and recorded configuration; returns the files written."""
@@ -124,15 +133,7 @@ def rebuild(reference: Path, out: Path) -> list[Path]:
         result.update(config=c, kernels=committed[c][0]["kernels"], analysis_hash=pooled_ref["analysis_hash"])
         mismatch = reference / "analysis" / c / "mismatch.parquet"
         if mismatch.is_file():  # the per-pivot prefix mismatch is committed: its link to the flips is recomputed
-            result["prefix_mismatch"] = mismatch_summary(
-                read_parquet(mismatch),
-                credits[c],
-                result,
-                config=c,
-                metric=stats.metric,
-                min_eligible=stats.min_eligible,
-                ci=stats.ci,
-            )
+            result["prefix_mismatch"] = rebuilt_mismatch(mismatch, credits[c], result, committed[c][0], stats)
         comparisons[c] = result
         written.append(out / "analysis" / c / "comparison.json")
         write_json(result, written[-1])

@@ -20,16 +20,11 @@ from typing import Any
 
 import polars as pl
 
-from replaynoise.analysis.agreement import (
-    TOKEN_MULT_PROB_ALARM,
-    first_steps,
-    pivot_agreement,
-    regime_stats,
-    token_gaps,
-)
+from replaynoise.analysis.agreement import first_steps, pivot_agreement, regime_stats, token_gaps
 from replaynoise.analysis.factors import factor_rows, probe_stats
 from replaynoise.analysis.mechanism import mechanism_summary
 from replaynoise.analysis.prefix_mismatch import mismatch_rows
+from replaynoise.analysis.rl_metrics import TOKEN_MULT_PROB_ALARM
 from replaynoise.generation.passes import replay_draws
 from replaynoise.generation.regime import ProbeRun
 from replaynoise.io import UnreadableFileError, read_json, read_parquet, write_json, write_text

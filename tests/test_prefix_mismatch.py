@@ -223,6 +223,9 @@ def test_the_summary_pools_tokens_and_says_the_sentence_with_the_tables_excess()
     pooled = out["passes"]["refeed"]
     assert pooled["n_pivots"] == 60 and pooled["n_tokens"] == 120
     assert set(out["not_scored"]) == {"exact", "replica"}
+    frameworks = out["frameworks"]["passes"]["refeed"]  # NeMo-RL's and verl's set (tests/test_rl_metrics.py)
+    assert frameworks["n_tokens"] == 120 and frameworks["k3_kl"] == pytest.approx(pooled["k3_kl"], rel=1e-12)
+    assert frameworks["nemo_rl_alarm"] is (frameworks["token_mult_prob_error"] > 1.05)
     assert out["sentence"].startswith(
         f"cfg: at this configuration's mean k3_kl of {pooled['k3_kl']:.3g}, "
         "re-feed flips +12.3 pp [95% CI +2.0, +25.6] of decision-token credits "

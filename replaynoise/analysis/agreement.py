@@ -15,6 +15,7 @@ import numpy as np
 import polars as pl
 
 from replaynoise.analysis.paper_stats import json_number
+from replaynoise.analysis.rl_metrics import TOKEN_MULT_PROB_ALARM
 
 #: What a run keeps of each pass's rows for the first-step comparison: the row's ids, its prefix, how the prefix
 #: state was read, the first step's digest (top-k log-probs and the sampled token) and its top-1.
@@ -40,8 +41,6 @@ BIN_WIDTH, MIN_BIN_PIVOTS = 32, 20
 GAP_STATS = ("tokens", "equal_share", "token_mult_prob_error", "k3_kl")
 #: A change point is named only where the shares either side of it differ by this much: below it there is no switch.
 MIN_STEP = 0.1
-#: NeMo-RL's alarm on its decode-vs-prefill check (mean exp(|delta log p|) over tokens).
-TOKEN_MULT_PROB_ALARM = 1.05
 DEFINITIONS = {
     "keys": "the keys a step attends: the log-prob of the token at absolute position p comes from the step whose "
     "query is position p - 1, attending positions 0..p - 1",

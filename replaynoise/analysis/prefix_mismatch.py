@@ -24,6 +24,8 @@ from statsmodels.tools.tools import add_constant
 
 from replaynoise.analysis.conditionings import CONDITIONINGS, select_pivots, wide_frame
 from replaynoise.analysis.disagreement import disagree
+from replaynoise.analysis.rl_metrics import DEFINITIONS as FRAMEWORK_DEFINITIONS
+from replaynoise.analysis.rl_metrics import frameworks_by_pass
 from replaynoise.settings import comparison_metric
 
 #: The frameworks' metric names, in the order the tables show them.
@@ -316,8 +318,9 @@ def mismatch_summary(
     min_eligible: int,
     ci: float,
 ) -> dict[str, Any]:
-    """``comparison.json → prefix_mismatch``: per scored pass its metrics over all its prefix tokens, the link
-    to credit per conditioning, and the tables' sentence."""
+    """``comparison.json → prefix_mismatch``: per scored pass its metrics over all its prefix tokens, NeMo-RL's and
+    verl's own set with their alarms (``frameworks``, each pivot's prefix one sequence), the link to credit per
+    conditioning, and the tables' sentence."""
     scored = sorted(set(mismatch["pass"].to_list()))
     out: dict[str, Any] = {
         "definitions": dict(DEFINITIONS),
@@ -325,6 +328,7 @@ def mismatch_summary(
         "not_scored": sorted(p for p in credit if p not in scored),
         "not_scored_reason": "resumes the decode-time state (no prefix computed), is a transplant, re-tokenizes "
         "to other ids, or its rollouts kept no decode-time log-probs",
+        "frameworks": {"definitions": dict(FRAMEWORK_DEFINITIONS), "passes": frameworks_by_pass(mismatch)},
         "credit_link": {
             cond: credit_link(mismatch, credit, conditioning=cond, metric=metric, min_eligible=min_eligible, ci=ci)
             for cond in CONDITIONINGS
