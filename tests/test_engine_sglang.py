@@ -32,8 +32,9 @@ from replaynoise.engines.base import ContinuationRequest, RolloutRequest, Sampli
 from replaynoise.engines.recipes import chained_digests, read_recipe
 from replaynoise.engines.sglang import engine as sglang_engine
 from replaynoise.engines.sglang import plugin
-from replaynoise.engines.sglang.engine import EngineError, SGLangEngine, engine_kwargs
+from replaynoise.engines.sglang.engine import EngineError, SGLangEngine, described, engine_kwargs
 from replaynoise.engines.sglang.launch import (
+    NUMERIC,
     PROBE,
     check_seeded,
     checked_pool,
@@ -41,6 +42,7 @@ from replaynoise.engines.sglang.launch import (
     logging_kept,
     start_lock,
 )
+from replaynoise.fingerprint import environment_fingerprint
 from replaynoise.machine import platform_problems
 from replaynoise.settings import ConfigError
 
@@ -445,6 +447,34 @@ def test_what_sglang_resolved_by_gpu_is_logged_at_every_build(caplog):
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("SGLang chose: attention_backend='fa3', prefill_attention_backend='absent', ")
     assert "chunked_prefill_size=8192" in line and "max_running_requests=None" in line
+
+
+@pytest.mark.parametrize("given", [{}, {"attention_backend": "triton", "max_total_tokens": 720_000}])
+def test_every_setting_that_moves_a_pass_s_bits_is_pinned_or_recorded_in_the_fingerprint(tmp_path, caplog, given):
+    """Each setting the regime probe found to move the bits (or that sizes the batches) reaches a run's fingerprint:
+    from the configuration where it is given, else from what the build logged SGLang resolved. A setting that was
+    neither would let two runs of one file on two cards differ with nothing to show why."""
+    settings = validate_config(sglang_config(kernels="stock", sglang=given))["configs"]["s"]
+    kwargs = engine_kwargs(settings)
+    built = SimpleNamespace(disable_radix_cache=False, page_size=1, sampling_backend="pytorch")
+    built.disable_cuda_graph, built.attention_backend = False, "fa3"
+    built.chunked_prefill_size, built.max_running_requests = 8192, 1024
+    built.cuda_graph_config = SimpleNamespace(decode=SimpleNamespace(max_bs=256))
+    with caplog.at_level(logging.INFO, logger="replaynoise.engines.sglang"):
+        logging.getLogger("replaynoise.engines.sglang.engine").info("SGLang engine: %s", described(kwargs))
+        checked_server_args(built, settings)
+        checked_pool({"max_total_num_tokens": 720_000}, settings, 1)
+    (tmp_path / "replay_exact").mkdir()
+    lines = "".join(f"x INFO y: {r.getMessage()}\n" for r in caplog.records)
+    (tmp_path / "replay_exact" / "s.000.log").write_text(lines)
+    recorded = environment_fingerprint(validate_config(sglang_config(kernels="stock", sglang=given)), tmp_path)
+    resolved = recorded["engines"]["s"]["resolved"]
+    assert {name for name in NUMERIC.values() if name not in resolved} == set()
+    assert resolved["kv_pool_tokens"] == "720000" and resolved["max_running_requests"] == "1024"
+    # the one setting SGLang resolves from the memory free at the job's start, not from card and model: a pool left
+    # to it is named in the job's log
+    unpinned = [r for r in caplog.records if "sized its KV pool" in r.getMessage()]
+    assert len(unpinned) == (0 if "max_total_tokens" in given else 1)
 
 
 @pytest.mark.parametrize(

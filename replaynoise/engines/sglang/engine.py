@@ -95,6 +95,11 @@ def engine_kwargs(settings: dict) -> dict:
     }
 
 
+def described(kwargs: dict) -> str:
+    """The engine's arguments as the job's log states them, where a run's fingerprint reads them back."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
+
+
 def _position(top: list, sampled: tuple, topk: int) -> tuple[list[int], list[float], bytes]:
     """One position's top-k (SGLang sorts it by log-prob, descending) and the exact bytes of what it returned:
     the top-k entries and the sampled token's, each ``(logprob, token_id, text)``."""
@@ -284,7 +289,7 @@ def build(settings: dict, model_dir: Path, *, topk: int, threads: int, startup: 
             building.enter_context(start_lock())
         with startup("engine build"):
             kwargs = engine_kwargs(settings)
-            log.info("SGLang engine: %s", ", ".join(f"{k}={v}" for k, v in sorted(kwargs.items())))
+            log.info("SGLang engine: %s", described(kwargs))
             with children_import_plugin(), logging_kept():
                 engine = sglang.Engine(model_path=str(weights), tokenizer_path=str(weights), **kwargs)
     salted = SaltedEngine(engine, GenerateReqInput)

@@ -109,6 +109,20 @@ RESOLVED = (
 )
 
 
+#: the settings that decide which kernels and batch sizes a pass runs, so its bits (the regime probe, one at a time
+#: on one card: docs/mechanism.md), each under the name a run's fingerprint records it by: a run either passes it to
+#: SGLang from its configuration or logs what SGLang resolved
+NUMERIC = {
+    "attention_backend": "attention_backend",
+    "disable_cuda_graph": "disable_cuda_graph",
+    "enable_deterministic_inference": "enable_deterministic_inference",
+    "cuda_graph_max_bs_decode": "cuda_graph_max_bs_decode",
+    "max_total_tokens": "kv_pool_tokens",
+    "max_running_requests": "max_running_requests",
+    "chunked_prefill_size": "chunked_prefill_size",
+}
+
+
 def checked_server_args(server_args: Any, settings: dict) -> int:
     """What SGLang made of the settings once built, where it overrides them by GPU: its radix cache must be on (its
     deterministic mode turns it off where it picks flashinfer, on Blackwell for one), its sampler the one that takes
