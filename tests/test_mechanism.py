@@ -239,6 +239,8 @@ def test_the_regime_probe_is_no_part_of_a_campaign(tiny_regime):
 
 REPO = Path(__file__).resolve().parents[1]
 LEASE = REPO / "benchmarks" / "results" / "regime-2026-12-07"
+#: SGLang's probes, one factor at a time, on one H100
+SGLANG_LEASE = REPO / "benchmarks" / "results" / "regime-sglang-factors-2026-12-07"
 MECHANISM = REPO / "reference" / "mechanism"
 
 
@@ -267,28 +269,37 @@ def test_the_committed_mechanism_table_recomputes_from_its_folders(tmp_path, mon
     assert (tmp_path / "mechanism.md").read_text() == (MECHANISM / "mechanism.md").read_text()
 
 
-@pytest.mark.parametrize("probe", sorted(p.parent.name for p in LEASE.glob("*/probe.json")))
+PROBES = sorted([*LEASE.glob("*/probe.json"), *SGLANG_LEASE.glob("*/*/probe.json")])
+
+
+@pytest.mark.parametrize("probe", PROBES, ids=lambda p: str(p.parent.relative_to(p.parents[2])))
 def test_each_committed_probe_recomputes_from_its_rows(probe):
-    assert recompute(LEASE / probe) == read_json(LEASE / probe / "probe.json")
+    assert recompute(probe.parent) == read_json(probe)
 
 
-def test_the_committed_validation_recomputes(monkeypatch):
+VALIDATED = {
+    LEASE: [
+        ("qwen-1.5b/probe.json", "reference/gpu-vllm/ladder/qwen-1.5b"),
+        ("qwen-0.5b/probe.json", "reference/gpu-vllm/ladder/qwen-0.5b"),
+        ("qwen-1.5b-invariant/probe.json", "reference/gpu-vllm/ladder/qwen-invariant"),
+    ],
+    SGLANG_LEASE: [
+        ("alone/base/probe.json", "reference/gpu-sglang/qwen-1.5b-vllm-problems-2026-12-06"),
+        ("alone/base/probe.json", "reference/gpu-sglang/qwen-1.5b-vllm-problems"),
+    ],
+}
+
+
+@pytest.mark.parametrize("lease", list(VALIDATED), ids=lambda p: p.name)
+def test_the_committed_validation_recomputes(lease, monkeypatch):
     monkeypatch.chdir(REPO)  # the committed table names the folders as the README's command gave them
-    lease = LEASE.relative_to(REPO)
-    pairs = [
-        (lease / f"{name}/probe.json", Path(f"reference/gpu-vllm/ladder/{ladder}"))
-        for name, ladder in (
-            ("qwen-1.5b", "qwen-1.5b"),
-            ("qwen-0.5b", "qwen-0.5b"),
-            ("qwen-1.5b-invariant", "qwen-invariant"),
-        )
-    ]
+    pairs = [(lease.relative_to(REPO) / probe, Path(campaign)) for probe, campaign in VALIDATED[lease]]
     fresh = validation_rows(pairs)
-    committed = read_json(LEASE / "validation" / "validation.json")
+    committed = read_json(lease / "validation" / "validation.json")
     assert [(r["probe"], r["campaign"]) for r in fresh] == [(r["probe"], r["campaign"]) for r in committed]
     assert (
         validation_markdown(fresh).splitlines()[2:]
-        == (LEASE / "validation" / "validation.md").read_text().splitlines()[2:]
+        == (lease / "validation" / "validation.md").read_text().splitlines()[2:]
     )
 
 
@@ -348,12 +359,14 @@ def test_the_factor_command_names_what_it_cannot_use(args, message, tmp_path, ca
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("table", ["factors-1.5b", "factors-0.5b"])
+@pytest.mark.parametrize(
+    "table", [LEASE / "factors-1.5b", LEASE / "factors-0.5b", SGLANG_LEASE / "factors-summary"], ids=lambda p: p.name
+)
 def test_the_committed_factor_tables_recompute_from_their_probes(table, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the tables name the probe folders as the command was given them
-    committed = read_json(LEASE / table / "factors.json")
+    committed = read_json(table / "factors.json")
     named = [f"{row['probe']}={row['folder']}" for row in committed]
     base = next(row["probe"] for row in committed if row["base"])
     assert main(["factors", *named, "--base", base, "--out", str(tmp_path)]) == 0
     assert read_json(tmp_path / "factors.json") == committed
-    assert (tmp_path / "factors.md").read_text() == (LEASE / table / "factors.md").read_text()
+    assert (tmp_path / "factors.md").read_text() == (table / "factors.md").read_text()
