@@ -102,14 +102,10 @@ EXACT_PATH_FILES = [
 #: The same configuration on the packaged SmolLM2 (30 layers, bf16), for the claims about a real model's numbers
 #: (its text, its first steps and KV, its prefix mismatch), with no more model work than they read: the paper's
 #: three passes, continuations of six tokens, and one shard a step (the tiny run scatters and gathers, and a shard
-#: changes no result: tests/test_sharding.py).
+#: changes no result: tests/test_sharding.py). It is the workflow's test configuration, .test/config/config.yaml.
 SMOLLM2 = {"model": "smollm2-135m", "dtype": "bfloat16", "max_new_tokens": 24, "cpu_threads": 1}
-TINY_ON_SMOLLM2 = {
-    **TINY,
-    "configs": {"tiny": SMOLLM2},
-    "replay": {**TINY["replay"], "max_new_tokens": 6, "passes": ["exact", "replica", "refeed"]},
-    "resources": {**TINY["resources"], "shard_size": TINY["dataset"]["n_problems"]},
-}
+DOT_TEST_CONFIG = REPO / ".test" / "config" / "config.yaml"
+TINY_ON_SMOLLM2 = yaml.safe_load(DOT_TEST_CONFIG.read_text())
 SMOLLM2_KEY = "smollm2-135m-bfloat16"
 
 

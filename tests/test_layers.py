@@ -1,9 +1,12 @@
-"""The package's layer order, read from its imports: a module imports only modules below it, never inside a
-function (where a cycle hides), and a step's code version is the import closure of its script."""
+"""The package's layers, read from its imports: each module's floor follows from where it lives (its subpackage,
+or the ground or top floor of the package's own modules), a module imports only from its own floor or below, the
+imports within a floor never run in a circle, and no import hides inside a function (where a cycle hides). A new
+module in an existing subpackage needs no edit here. A step's code version is the import closure of its script."""
 
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,178 +15,162 @@ from replaynoise.provenance import import_closure, package_imports, source_diges
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "replaynoise"
-#: The subpackages, bottom to top: a module may import from its own subpackage or one below, never from one above.
-#: "" is the package's ground floor (io, settings, ...); the top floor holds what sits above every subpackage (the
-#: configuration, the plan of outputs, provenance and the commands a reviewer runs).
-SUBPACKAGES = ["", "data", "engines", "generation", "analysis", "report", "top"]
-TOP = {
-    "config_checks",
-    "config",
-    "plan",
-    "machine",
-    "provenance",
-    "snapshots",
-    "paper_records",
-    "partials",
-    "reference",
-    "reanalyze",
-    "power",
-    "savings",
-    "fingerprint",
-    "divergence",
-    "reproduction",
-    "regime",
-    "vouching",
-}
-#: Bottom to top. A module may import only modules of earlier layers (or of its own package's base).
-LAYERS = [
-    # the subpackages' own __init__ modules hold their docstrings and import nothing
-    [
-        "io",
-        "logs",
-        "overlays",
-        "progress",
-        "seeds",
-        "settings",
-        "data",
-        "engines.hf",
-        "engines.vllm",
-        "engines.sglang",
-        "generation",
-        "analysis",
-        "report",
-    ],
-    ["data.grading", "data.prompts", "data.packages"],
-    ["data.benchmarks"],
-    ["data.datasets", "data.loading"],
-    ["data.models"],
-    ["data.preparation"],
-    [
-        "engines.base",
-        "engines.sampling",
-        "engines.hf.cpu_matmul",
-        "engines.vllm.build",
-        "engines.hf.settings",
-        "engines.vllm.settings",
-        "engines.sglang.settings",
-        "engines.sglang.plugin",
-    ],
-    [
-        "engines.hf.kvfiles",
-        "engines.hf.kernels",
-        "engines.hf.flash",
-        "engines.hf.records",
-        "engines.recipes",
-        "engines.registry",
-    ],
-    ["engines.sglang.launch"],
-    ["engines.hf.static", "engines.vllm.engine", "engines.sglang.engine"],
-    ["engines.hf.states"],
-    ["engines.hf.refill"],
-    ["engines.hf.forwards"],
-    ["engines.hf.modes"],
-    ["engines.hf.invariant_modes"],
-    ["engines.hf.engine"],
-    ["engines"],
-    [
-        "generation.passes",
-        "generation.shards",
-        "generation.pivots",
-        "generation.training_log",
-        "generation.answer_spans",
-    ],
-    ["generation.continuations"],
-    ["generation.rollouts", "generation.replay", "generation.training"],
-    ["generation.regime"],
-    [
-        "analysis.disagreement",
-        "analysis.groups",
-        "analysis.credit",
-        "analysis.channels",
-        "analysis.conditionings",
-        "analysis.verification",
-        "analysis.rl_metrics",
-    ],
-    ["analysis.paper_stats"],
-    ["analysis.replicated", "analysis.prefix_mismatch", "analysis.probes", "analysis.agreement"],
-    ["analysis.comparison", "analysis.controls", "analysis.factors", "analysis.stopping"],
-    ["analysis.pooling", "analysis.cross_scoring", "analysis.runs", "analysis.mechanism"],
-    [
-        "report.summary",
-        "report.cost",
-        "report.drawing",
-        "report.headline",
-        "report.contrasts",
-        "report.combined",
-        "report.alarms",
-    ],
-    ["report.tables", "report.figures", "report.mechanism", "report.landing"],
-    ["report.credit_figures"],
-    ["report.plots"],
-    ["report.controls", "report.training"],
-    ["config_checks"],
-    ["config", "plan", "fingerprint", "vouching"],
-    ["machine", "provenance", "snapshots", "paper_records"],
-    ["partials", "divergence"],
-    ["reproduction", "savings"],
-    ["reference", "reanalyze", "power", "regime"],
-]
+#: The floors, bottom to top: a module may import from its own floor or one below, never from one above. A
+#: subpackage is a floor of its own; "ground" holds the package's own modules everything builds on (``GROUND``) and
+#: "top" every other module of the package (the configuration, the plan of outputs, provenance and the commands a
+#: reviewer runs), so that a new module there sits above every subpackage.
+FLOORS = ["ground", "data", "engines", "generation", "analysis", "report", "top"]
+GROUND = {"io", "logs", "overlays", "progress", "seeds", "settings"}
+#: The subpackages of this floor are plugins: none imports another (the registry, above them, imports each).
+PLUGINS = "engines"
 #: Function-level imports of replaynoise kept on purpose: the engine a configuration names is loaded only when
 #: chosen, so that importing the engine interface (the passes, the analysis) never loads torch or vLLM.
 LAZY: set[tuple[str, str]] = set()  # the engine factory imports an engine by name (engines.registry), no statement
 
+Graph = dict[str, tuple[set[str], set[str]]]
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE).with_suffix("").parts
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if module_name(p)}
+def package_modules(package: Path = PACKAGE) -> dict[str, Path]:
+    """{dotted name below the package: file} of every module, the package's own __init__ left out."""
+    return {module_name(p, package): p for p in sorted(package.rglob("*.py")) if module_name(p, package)}
 
 
-def internal_imports(path: Path) -> tuple[set[str], set[str]]:
+MODULES = package_modules()
+
+
+def internal_imports(path: Path, modules: dict[str, Path] = MODULES) -> tuple[set[str], set[str]]:
     """(module-level, function-level) replaynoise modules imported by ``path``."""
     top, inner = set(), set()
     for name, at_top in package_imports(path):
         module = name.removeprefix("replaynoise").lstrip(".")
-        if module in MODULES:  # not a name imported from a module
+        if module in modules:  # not a name imported from a module
             (top if at_top else inner).add(module)
     return top, inner
 
 
-def test_every_module_has_a_layer():
-    placed = [m for layer in LAYERS for m in layer]
-    assert sorted(placed) == sorted(MODULES), set(placed) ^ set(MODULES)
+def import_graph(package: Path = PACKAGE) -> Graph:
+    """{module: (module-level, function-level) imports} of every module of ``package``."""
+    modules = package_modules(package)
+    return {module: internal_imports(path, modules) for module, path in modules.items()}
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_a_module_imports_only_lower_layers_and_only_at_the_top(module):
-    rank = {m: i for i, layer in enumerate(LAYERS) for m in layer}
-    top, inner = internal_imports(MODULES[module])
-    for name in top | inner:
-        if name == "engines" and module.startswith("engines."):
-            continue  # a submodule's import runs its package's __init__, which imports nothing at module level
-        assert rank[name] < rank[module], f"{module} (layer {rank[module]}) imports {name} (layer {rank[name]})"
-    assert {(module, name) for name in inner} <= LAZY, f"{module} imports {sorted(inner)} inside a function"
-
-
-def subpackage(module: str) -> str:
-    """The floor a module lives on: its subpackage, the ground floor, or the top."""
-    if module in TOP:
-        return "top"
+def floor(module: str) -> str:
+    """The floor a module lives on: its subpackage, the ground floor or the top."""
     head = module.split(".")[0]
-    return head if head in SUBPACKAGES else ""
+    if head in FLOORS:
+        return head
+    return "ground" if module in GROUND else "top"
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_the_subpackages_are_floors_a_module_imports_from_its_own_or_lower(module):
-    """The folders show the layers: data below engines below generation below analysis below report below the
-    configuration and the reviewer's commands. (The engines' package imports the engine it is asked for and the
-    model loader inside its factory, the one lazy import.)"""
-    rank = {name: i for i, name in enumerate(SUBPACKAGES)}
-    top, inner = internal_imports(MODULES[module])
-    for name in top | (inner - {n for m, n in LAZY if m == module}):
-        assert rank[subpackage(name)] <= rank[subpackage(module)], f"{module} imports {name} from a floor above"
+def plugins(graph: Graph) -> set[str]:
+    """The subpackages of the ``PLUGINS`` floor (``engines.hf``): those with modules of their own."""
+    return {
+        m
+        for m in graph
+        if m.count(".") == 1 and m.startswith(f"{PLUGINS}.") and any(k.startswith(f"{m}.") for k in graph)
+    }
+
+
+def circle(graph: Graph) -> list[str]:
+    """One circle of module-level imports (its modules in order, the first repeated at the end), or []."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str]:
+        state[module] = 1
+        path.append(module)
+        for name in sorted(graph[module][0]):
+            if state.get(name) == 1:
+                return path[path.index(name) :] + [name]
+            if name not in state and (found := visit(name)):
+                return found
+        state[module] = 2
+        path.pop()
+        return []
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module)):
+            return found
+    return []
+
+
+def breaches(graph: Graph) -> list[str]:
+    """Every import that breaks the layers: one from a floor above, one between two plugins, one inside a function
+    (unless kept in ``LAZY``), and a circle of imports."""
+    rank = {name: i for i, name in enumerate(FLOORS)}
+    owners = plugins(graph)
+
+    def plugin(module: str) -> str | None:
+        return next((p for p in owners if module == p or module.startswith(f"{p}.")), None)
+
+    found = []
+    for module, (top, inner) in sorted(graph.items()):
+        for name in sorted(top | inner):
+            if rank[floor(name)] > rank[floor(module)]:
+                found.append(f"{module} ({floor(module)}) imports {name} from a floor above ({floor(name)})")
+            if plugin(module) and plugin(name) and plugin(module) != plugin(name):
+                found.append(f"{module} imports {name}, another plugin of {PLUGINS}")
+        hidden = sorted(name for name in inner if (module, name) not in LAZY)
+        if hidden:
+            found.append(f"{module} imports {hidden} inside a function")
+    if loop := circle(graph):
+        found.append("imports run in a circle: " + " -> ".join(loop))
+    return found
+
+
+def test_the_package_keeps_its_layers():
+    assert not breaches(import_graph()), "\n".join(breaches(import_graph()))
+
+
+def test_the_floors_declared_are_the_package_s_own():
+    """Every subpackage has its place in ``FLOORS`` (a new one would otherwise sit on the top floor unseen), every
+    floor holds modules and every ground module exists."""
+    subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert subpackages == set(FLOORS) - {"ground", "top"}
+    assert {floor(m) for m in MODULES} == set(FLOORS)
+    assert set(MODULES) >= GROUND
+    assert plugins(import_graph()) == {"engines.hf", "engines.vllm", "engines.sglang"}
+
+
+def test_a_new_module_needs_no_edit_and_an_upward_one_breaks_the_layers(tmp_path):
+    package = tmp_path / "replaynoise"
+    shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "data" / "fresh.py").write_text("from replaynoise.io import write_json\n")
+    (package / "report" / "fresh.py").write_text("from replaynoise.data.fresh import write_json\n")
+    assert not breaches(import_graph(package))
+    (package / "data" / "upward.py").write_text("from replaynoise.report.summary import verdict\n")
+    assert breaches(import_graph(package)) == ["data.upward (data) imports report.summary from a floor above (report)"]
+
+
+def test_the_contract_sees_each_kind_of_breach():
+    graph: Graph = {
+        "io": (set(), set()),
+        "settings": ({"config"}, set()),  # the ground floor importing a top-level module
+        "config": (set(), set()),
+        "engines.hf": (set(), set()),
+        "engines.hf.engine": ({"engines.vllm.build"}, set()),  # one plugin importing another
+        "engines.vllm": (set(), set()),
+        "engines.vllm.build": (set(), set()),
+        "engines.registry": ({"engines.hf", "engines.vllm.build"}, set()),  # below both, allowed
+        "analysis.a": ({"analysis.b", "io"}, set()),
+        "analysis.b": ({"analysis.c"}, set()),
+        "analysis.c": ({"analysis.a"}, set()),  # a circle within a floor
+        "report.r": (set(), {"analysis.a"}),  # downward, but inside a function
+    }
+    assert breaches(graph) == [
+        "engines.hf.engine imports engines.vllm.build, another plugin of engines",
+        "report.r imports ['analysis.a'] inside a function",
+        "settings (ground) imports config from a floor above (top)",
+        "imports run in a circle: analysis.a -> analysis.b -> analysis.c -> analysis.a",
+    ]
+    del graph["analysis.c"], graph["analysis.b"], graph["engines.hf.engine"], graph["settings"], graph["report.r"]
+    graph["analysis.a"] = ({"io"}, set())
+    assert breaches(graph) == []
 
 
 def test_the_bottom_module_imports_nothing_of_the_package():
