@@ -81,6 +81,7 @@ LAYERS = [
     ["engines.hf.states"],
     ["engines.hf.refill"],
     ["engines.hf.forwards"],
+    ["engines.hf.cached"],
     ["engines.hf.modes"],
     ["engines.hf.invariant_modes"],
     ["engines.hf.engine"],
