@@ -254,7 +254,10 @@ def _check_passes(passes: list[str]) -> None:
 
 
 def _plain(name: str) -> bool:
+    """Built the way a serving engine can: no transplant, no precision change, no prompt served from a prefill
+    of its own."""
     try:
-        return pass_spec(name).source.plain
+        source = pass_spec(name).source
+        return source.plain and not source.prompt_cached
     except ValueError:
         return True  # an unknown name is refused by _check_passes, by name

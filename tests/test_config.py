@@ -247,7 +247,7 @@ BAD_VALUES = {
         [
             "replay.passes",
             "'bogus'",
-            "allowed values: exact, replica, refeed, selector, refeed_text, "
+            "allowed values: exact, replica, refeed, selector, refeed_text, refeed_cached, "
             "replica_fresh, refeed_replica, serial, transplant_decode",
             "transplant_refeed_lo<L>",
         ],

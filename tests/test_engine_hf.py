@@ -353,6 +353,30 @@ def test_refeed_text_pass_retokenizes_the_prefix_text(tiny_stock):
     assert rows.sort("pivot_id", "branch", "k")["seed"].equals(exact["seed"])
 
 
+def test_refeed_cached_runs_in_the_refeeds_batches_over_cached_prompts(tiny_stock, tmp_path):
+    """refeed_cached through the pass machinery: the re-feed's requests, seeds and batch layout, each row's prompt
+    counted as served from cache and the rest as its recomputed tail, its prefix tokens scored, compared with exact
+    and refeed in every channel."""
+    engine, frame, pivots, _ = tiny_stock
+    passes = {
+        name: run(engine, frame, pivots, name, tmp_path, batch_size=3) for name in ("exact", "refeed", "refeed_cached")
+    }
+    cached, refeed = (passes[name].sort("pivot_id", "branch", "k") for name in ("refeed_cached", "refeed"))
+    assert set(cached["prefix_source"]) == {"refeed_ids+prompt:cached"} and cached.height == refeed.height
+    assert cached["seed"].equals(refeed["seed"]) and cached["schedule_seed"].equals(refeed["schedule_seed"])
+    prompts = frame.select("problem_id", pl.col("prompt_ids").list.len().alias("prompt_len")).unique("problem_id")
+    lens = cached.join(pivots.select("pivot_id", "problem_id"), on="pivot_id").join(prompts, on="problem_id")
+    assert lens["cached_tokens"].equals(lens["prompt_len"].alias("cached_tokens"))
+    credit = {name: compute_credit(df, pivots, K, name, "graded") for name, df in passes.items()}
+    agreement = channel_agreement(passes, credit)
+    pairs = agreement.filter(pl.col("pass_b") == "refeed_cached")
+    assert set(pairs["pass_a"]) == {"exact", "refeed"} and {"token_ids", "next_topk", "a_hat"} <= set(pairs["channel"])
+    present = pairs.filter(pl.col("channel") == "rows_present")
+    assert present["share_identical"].to_list() == [1.0, 1.0]
+    mismatch = mismatch_rows(frame, pivots, passes)
+    assert mismatch.filter(pl.col("pass") == "refeed_cached").height == pivots.height
+
+
 def test_equal_caches_give_byte_identical_kv_files(tiny_stock, tmp_path):
     """The manifest compares runs by checksum, so a stored cache must not carry run-to-run noise
     (safetensors writes metadata in hash-map order, which changes from one save to the next)."""

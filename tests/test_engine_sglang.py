@@ -627,6 +627,13 @@ def test_transplants_are_refused_by_the_engine_too(stored):
         engine(RadixStandIn()).run_batch([continuation(stored[0], 3)], source, SAMPLING)
 
 
+def test_the_cached_refeed_is_refused_by_the_engine_by_name(stored):
+    from replaynoise.generation.passes import PASSES
+
+    with pytest.raises(ValueError, match="pass refeed_cached .* the SGLang engine .* engine: hf"):
+        engine(RadixStandIn()).run_batch([continuation(stored[0], 3)], PASSES["refeed_cached"].source, SAMPLING)
+
+
 # ------------------------------------------------------------------------------------------- on a GPU
 ON_GPU = pytest.mark.skipif(
     importlib.util.find_spec("sglang") is None or not torch.cuda.is_available(),

@@ -53,7 +53,8 @@ class PrefixSource:
     ``kind`` builds the state; with ``donor``, layers [``layers[0]``, ``layers[1]``) (None: to the last) are then
     replaced by the KV the ``donor`` kind builds for the same prefix. ``prefix_dtype`` computes a re-fed prefix
     in that dtype and casts its KV back to the model's; ``continuation_dtype`` decodes the continuation in that
-    dtype from the state cast up to it.
+    dtype from the state cast up to it. ``prompt_cached`` re-feeds the prefix as a prefix cache would serve it:
+    the prompt's KV from a prefill of the prompt alone, only the response's tokens computed on top of it.
     """
 
     kind: PrefixKind
@@ -64,6 +65,7 @@ class PrefixSource:
     #: keeps this pass's own prefill state apart from another pass's of the same kind where an engine could
     #: share it (vLLM: its cache salt), so that a replica of a re-feed computes its prefixes again
     tag: str = ""
+    prompt_cached: bool = False
 
     def __post_init__(self) -> None:
         for key in ("kind", "donor"):
@@ -80,6 +82,13 @@ class PrefixSource:
             )
         if self.prefix_dtype is not None and self.kind.resumes:
             raise ValueError("prefix_dtype applies to a re-fed prefix; the decode-time KV is stored as computed")
+        if self.prompt_cached and (
+            self.kind is not PrefixKind.REFEED_IDS or self.donor is not None or self.prefix_dtype is not None
+        ):
+            raise ValueError(
+                "prompt_cached re-feeds the rollout's own ids over a cached prompt: kind refeed_ids, with no "
+                "donor and no prefix_dtype"
+            )
 
     @property
     def plain(self) -> bool:
@@ -97,6 +106,8 @@ class PrefixSource:
             label += f"+prefix:{self.prefix_dtype}"
         if self.continuation_dtype:
             label += f"+continuation:{self.continuation_dtype}"
+        if self.prompt_cached:
+            label += "+prompt:cached"
         if self.tag:
             label += f"#{self.tag}"
         return label

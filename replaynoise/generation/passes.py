@@ -58,6 +58,13 @@ PASSES: dict[str, PassSpec] = {
     "refeed_text": PassSpec(
         PrefixSource("refeed_text"), "crn", "prefix decoded to text and re-tokenized, then prefilled"
     ),
+    "refeed_cached": PassSpec(
+        PrefixSource("refeed_ids", prompt_cached=True),
+        "crn",
+        "refeed with the prompt's KV from a prefill of the prompt alone, as a prefix cache serves it, and only "
+        "the response recomputed on top (HF engine)",
+        schedule="refeed",
+    ),
     "selector": PassSpec(
         PrefixSource("decode_kv"), "selector", "exact with fresh seeds: decides informativeness independently"
     ),

@@ -167,7 +167,7 @@ class HFEngine:
         starts = [scored_from(req, source) if req.pivot_id in wanted else None for req in todo]
         with self.phases("prefix states"):
             self.stored.load_ahead([req for req in todo if req.kv_file is not None])
-            built = self._states_of(source.kind, todo, source.prefix_dtype, starts)
+            built = self._states_of(source.kind, todo, source.prefix_dtype, starts, cached=source.prompt_cached)
             if source.donor is not None:
                 donors = self._states_of(source.donor, todo)
                 built = self.stored.drift(
@@ -188,13 +188,18 @@ class HFEngine:
         requests: list[ContinuationRequest],
         prefix_dtype: str | None = None,
         starts: list[int | None] | None = None,
+        *,
+        cached: bool = False,
     ) -> list[PrefixState]:
         """The states a prefix source kind builds for these (distinct) pivots; a built prefix also scores its
-        tokens from ``starts[i]`` on (``scored_from``)."""
+        tokens from ``starts[i]`` on (``scored_from``); ``cached``: its prompt served from a prompt-alone prefill."""
         if kind.resumes:
             return [self.decode_state(req) for req in requests]
         ids = [kind.prompt_ids(req.prefix_ids, req.text_prefix_ids) for req in requests]
-        return self._refeed_states(requests, ids, prefix_dtype, starts or [None] * len(requests))
+        starts = starts or [None] * len(requests)
+        if cached:
+            return self._cached_states(requests, ids, starts)
+        return self._refeed_states(requests, ids, prefix_dtype, starts)
 
     def decode_state(self, req: ContinuationRequest) -> PrefixState:
         """The stored decode-time KV cropped to the pivot. It is the decode-time state when the file is the one
@@ -242,6 +247,21 @@ class HFEngine:
             for seq, kv, score in zip(seqs, stacks, scores)
         ]
         return self.stored.drift(requests, states, whole=padded)
+
+    def _cached_states(
+        self, requests: list[ContinuationRequest], seqs: list[list[int]], starts: list[int | None]
+    ) -> list[PrefixState]:
+        """The prefixes re-fed over their prompts' KV from prompt-alone prefills (``DecodeMode.refeed_cached``):
+        the prompt's positions count as served from cache, the rest is the recomputed tail."""
+        if any(req.response_start is None for req in requests):
+            raise ValueError("a re-feed over a cached prompt needs each request's response_start (the prompt's length)")
+        prompt_lens = [int(req.response_start or 0) for req in requests]
+        stacks, scores, _ = self.mode.refeed_cached(seqs, prompt_lens, starts)
+        states = [
+            PrefixState(None, len(seq), True, None, cached=n, kv=kv, token_logprobs=score)
+            for seq, n, kv, score in zip(seqs, prompt_lens, stacks, scores)
+        ]
+        return self.stored.drift(requests, states)
 
     # ----------------------------------------------------------------------------------------- continuations
     @torch.inference_mode()

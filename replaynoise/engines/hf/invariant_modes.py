@@ -39,6 +39,11 @@ class ByToken(DecodeMode):
             scores.append(score)
         return stacks, scores, None
 
+    def refeed_cached(self, seqs: list[list[int]], prompt_lens: list[int], starts: list[int | None]) -> Refed:
+        """The re-feed itself: every position is computed alone, by the decode step's own kernels, so a prompt
+        served from an earlier prefill holds the bits this prefill gives it."""
+        return self.refeed(seqs, starts)
+
     def restep(self, requests: list[ContinuationRequest], states: list[PrefixState]) -> None:
         self.f.restep(requests, states, alone=True)
 

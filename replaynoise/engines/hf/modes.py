@@ -21,6 +21,7 @@ from typing import cast
 import torch
 
 from replaynoise.engines.base import ContinuationRequest, ContinuationResult, Rollout, RolloutRequest, SamplingSettings
+from replaynoise.engines.hf.cached import cached_refeed
 from replaynoise.engines.hf.forwards import Forwards
 from replaynoise.engines.hf.kvfiles import KVLayers, stack_layers
 from replaynoise.engines.hf.records import rollout_of, step_records
@@ -52,6 +53,11 @@ class DecodeMode(ABC):
     @abstractmethod
     def refeed(self, seqs: list[list[int]], starts: list[int | None]) -> Refed:
         """Prefill each re-fed prefix; score its tokens from ``starts[i]`` on where given."""
+
+    def refeed_cached(self, seqs: list[list[int]], prompt_lens: list[int], starts: list[int | None]) -> Refed:
+        """Prefill each re-fed prefix with its prompt served as a prefix cache holds it (``cached.cached_refeed``)."""
+        stacks, scores = cached_refeed(self.f, seqs, prompt_lens, starts)
+        return stacks, scores, None
 
     @abstractmethod
     def restep(self, requests: list[ContinuationRequest], states: list[PrefixState]) -> None:

@@ -237,6 +237,12 @@ class SGLangEngine:
         self, requests: list[ContinuationRequest], source: str | PrefixSource, sampling: SamplingSettings
     ) -> list[ContinuationResult]:
         spec = as_source(source)
+        if spec.prompt_cached:
+            raise ValueError(
+                f"pass refeed_cached (prefix source {spec.label!r}): the SGLang engine does not serve a re-feed's "
+                "prompt from a prefill of its own (its re-feeds carry a cache salt of their own); run it with "
+                "engine: hf"
+            )
         if not spec.plain:
             raise ValueError(
                 f"prefix source {spec.label!r}: the SGLang engine keeps its KV inside SGLang, so it can neither "

@@ -36,9 +36,10 @@ def check(
     s = settings["sglang"]
     if controls:
         raise ConfigError(
-            f"config key configs.{name}.engine: sglang keeps its KV inside SGLang, so it cannot run the transplant "
-            f"and precision passes {controls} of replay.passes; use engine: hf for this configuration, or drop "
-            "those passes"
+            f"config key configs.{name}.engine: sglang keeps its KV inside SGLang, so it cannot run the passes "
+            f"{controls} of replay.passes (transplants, precision arms and refeed_cached, whose prompt KV comes "
+            "from a prefill of its own, are built by the HF engine only); use engine: hf for this configuration, "
+            "or drop those passes"
         )
     if not settings["device"].startswith("cuda"):
         raise ConfigError(

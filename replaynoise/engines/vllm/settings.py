@@ -56,7 +56,8 @@ def _check_platform(name: str, settings: dict, controls: list[str]) -> None:
     if controls:
         raise ConfigError(
             f"config key configs.{name}.engine: vllm keeps its KV inside vLLM, so it cannot run "
-            f"the transplant and precision passes {controls} of replay.passes; use engine: hf for "
+            f"the passes {controls} of replay.passes (transplants, precision arms and refeed_cached, whose "
+            "prompt KV comes from a prefill of its own, are built by the HF engine only); use engine: hf for "
             "this configuration, or drop those passes"
         )
     if settings["device"] == "cpu" and settings["block_size"] % 32:
