@@ -260,8 +260,10 @@ def protocol_settings(config: dict) -> dict:
 def analysis_hash(config: dict) -> str:
     """The pre-registration fingerprint: written into every table, so a later change of settings shows. Settings
     that cannot change a number (``UNHASHED_VLLM_KEYS``) are left out, and a tensor parallelism of 1, so that
-    runs made before that key keep their fingerprint."""
+    runs made before that key keep their fingerprint. ``replay.stop`` is read by no pass or table (the run makes every
+    pair; ``python -m replaynoise.power stopping`` replays the rule), so it moves no number and no fingerprint."""
     settings = copy.deepcopy(protocol_settings(config))
+    settings.get("replay", {}).pop("stop", None)
     for entry in (settings.get("configs") or {}).values():
         if isinstance(entry, dict) and isinstance(entry.get("vllm"), dict):
             for key in UNHASHED_VLLM_KEYS:

@@ -125,6 +125,10 @@ ELSEWHERE = {
     "configs.*.train": "the training recipe (test_training.py: a changed train setting retrains and remeasures)",
     "rollouts.screen.rule": "mixed needs 2 rollouts a problem; its siblings above show the screen is select_pivots'",
     "replay.passes": "a pass added runs alone (test_crossed.py, test_workflow.py's control passes)",
+    "replay.stop.when": "no pass or table reads it: out of the analysis hash (test_stopping.py); needs max_pairs",
+    "replay.stop.max_pairs": "no pass or table reads it: out of the analysis hash (test_stopping.py)",
+    "replay.stop.min_pairs": "no pass or table reads it: out of the analysis hash (test_stopping.py)",
+    "replay.stop.half_width_pp": "no pass or table reads it: out of the analysis hash (test_stopping.py)",
     "analysis.cross_scoring": "a pair needs two configurations of one model (test_prefix_mismatch.py)",
     "resources.rules": "per-stage resources, as resources.threads / mem_mb / runtime",
 }
