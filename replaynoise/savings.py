@@ -7,13 +7,13 @@ over the run's own pairs from its credit tables, with max_pairs the run's pairs 
 run's configuration has a ``replay.stop`` of its own. The table says at which pair it stops, its interval there (at
 the look's spent level), the pairs and GPU-minutes it saves and whether its verdict (resolved, and on which side)
 is the full design's. A pass's GPU time is its job's seconds from the run's ``h200-pipeline.json`` rows, else from
-its Snakemake benchmark TSVs (``benchmarks/replay_<pass>/``); a run with neither is given in pairs alone.
+its Snakemake benchmark TSVs (``benchmarks/replay_<pass>/``, read as the cost report reads them); a run with neither
+is given in pairs alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from replaynoise.analysis.replicated import crossed_interval
 from replaynoise.analysis.runs import run_cells
 from replaynoise.analysis.stopping import StopRule, replay, verdict
 from replaynoise.io import UnreadableFileError, json_field, read_json, read_parquet, write_json, write_text
+from replaynoise.report.cost import read_benchmark
 from replaynoise.settings import comparison_metric
 from replaynoise.vouching import require_intact
 
@@ -29,8 +30,8 @@ TIMINGS = "h200-pipeline.json"
 
 
 def pass_seconds(folder: Path, config: str, name: str) -> float | None:
-    """A pass's job seconds over its shards: the run's pipeline record's rows, else its benchmark TSVs (column
-    ``s``); None where the run has neither."""
+    """A pass's job seconds over its shards: the run's pipeline record's rows, else its benchmark TSVs' wall
+    seconds (``report.cost.read_benchmark``); None where the run has neither."""
     record = folder / TIMINGS
     if record.is_file():
         rows = [r for r in read_json(record).get("rows", []) if r.get("config") == config]
@@ -38,13 +39,8 @@ def pass_seconds(folder: Path, config: str, name: str) -> float | None:
         if found:
             return sum(found)
     tables = sorted((folder / "benchmarks" / f"replay_{name}").glob(f"{config}.*.tsv"))
-    if not tables:
-        return None
-    total = 0.0
-    for table in tables:
-        with table.open(newline="") as fh:
-            total += sum(float(row["s"]) for row in csv.DictReader(fh, delimiter="\t"))
-    return total
+    measured = [read_benchmark(table) for table in tables]
+    return sum(m["seconds"] for m in measured if m is not None) if tables else None
 
 
 def run_config(folder: Path) -> dict:

@@ -43,11 +43,11 @@ COLUMNS = (
 )
 
 
-def credit_of(comparison: Mapping[str, Any], name: str) -> dict[str, Any]:
+def credit_of(comparison: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
     """What re-feed pass ``name`` did to credit in the main conditioning of a run's comparison: its flip rate
     against exact (the headline metric), the floor's (replica against exact) and, for the first re-feed draw, the
-    headline excess with its interval."""
-    main = (comparison.get("conditionings") or {}).get("main") or {}
+    headline excess with its interval; all None for a run that compared no credit (``comparison`` None)."""
+    main = ((comparison or {}).get("conditionings") or {}).get("main") or {}
     if not main.get("available"):
         return {"flip_rate": None, "floor": None, "excess": None}
     pairs = main.get("disagreement") or {}
@@ -69,7 +69,7 @@ def run_rows(parquet: Path, root: Path) -> list[dict[str, Any]]:
     comparison = read_json(comparison_file) if comparison_file.is_file() else None
     rows = []
     for name, metrics in frameworks_by_pass(read_parquet(parquet)).items():
-        credit = credit_of(comparison, name) if comparison else {"flip_rate": None, "floor": None, "excess": None}
+        credit = credit_of(comparison, name)
         rows.append(
             {
                 "run": parquet.parent.relative_to(root).as_posix(),
@@ -89,7 +89,8 @@ def unkept_rows(root: Path, kept: set[Path]) -> list[dict[str, Any]]:
     for path in sorted(root.glob("**/analysis/*/comparison.json")):
         if path.parent in kept:
             continue
-        block = read_json(path).get("prefix_mismatch") or {}
+        comparison = read_json(path)
+        block = comparison.get("prefix_mismatch") or {}
         for name, pooled in sorted((block.get("passes") or {}).items()):
             rows.append(
                 {
@@ -100,7 +101,7 @@ def unkept_rows(root: Path, kept: set[Path]) -> list[dict[str, Any]]:
                     "n_tokens": pooled.get("n_tokens"),
                     "gen_kl_error": pooled.get("k3_kl"),
                     "k3_kl": pooled.get("k3_kl"),
-                    **credit_of(read_json(path), name),
+                    **credit_of(comparison, name),
                 }
             )
     return rows
